@@ -1,0 +1,101 @@
+"""The one interface every policy implements, and the load book they share.
+
+A policy answers ``decide()`` without changing anything, so a decision can be
+replayed, compared across policies and benchmarked. What it learns arrives
+through explicit hooks that the runner (``PolicyRunner``) calls:
+
+- ``on_placed``: a request was sent to an engine (insert its prefix, count it);
+- ``on_finished``: the engine answered (or failed) that request;
+- ``on_session_end``: a multi-turn session ended (explicitly or idle);
+- ``on_metrics``: a fresh scrape of the engines;
+- ``on_epoch``: periodic housekeeping (LRU sweeps, estimator refresh);
+- ``on_engine_removed``: an engine left the pool; drop what it held.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Mapping
+
+from .settings import PolicyName, PolicySettings, WorkloadMix
+from .types import Completion, Decision, EngineSnapshot, RequestMeta
+
+Engines = Mapping[str, EngineSnapshot]
+
+
+def healthy_ids(engines: Engines) -> list[str]:
+    """Healthy engines in a stable order (sorted ids), so ties break the same way every run."""
+    return sorted(e for e, snap in engines.items() if snap.healthy)
+
+
+class LoadBook:
+    """Requests the router has in flight per engine (its own count, as the vLLM Router keeps)."""
+
+    __slots__ = ("_in_flight", "_total")
+
+    def __init__(self) -> None:
+        self._in_flight: dict[str, int] = {}
+        self._total = 0
+
+    def add(self, engine_id: str) -> None:
+        self._in_flight[engine_id] = self._in_flight.get(engine_id, 0) + 1
+        self._total += 1
+
+    def remove(self, engine_id: str) -> None:
+        n = self._in_flight.get(engine_id, 0)
+        if n <= 0:
+            return
+        self._in_flight[engine_id] = n - 1
+        self._total -= 1
+
+    def drop_engine(self, engine_id: str) -> None:
+        self._total -= self._in_flight.pop(engine_id, 0)
+
+    def get(self, engine_id: str) -> int:
+        return self._in_flight.get(engine_id, 0)
+
+    @property
+    def total(self) -> int:
+        return self._total
+
+    def items(self) -> Iterable[tuple[str, int]]:
+        return self._in_flight.items()
+
+
+class Policy(ABC):
+    """A routing policy: pure ``decide`` plus learning hooks."""
+
+    name: PolicyName
+
+    def __init__(self, settings: PolicySettings, mix: WorkloadMix) -> None:
+        self.settings = settings
+        self.mix = mix
+        self.load = LoadBook()
+
+    @abstractmethod
+    def decide(self, req: RequestMeta, engines: Engines, now: float) -> Decision:
+        """Place ``req`` on an engine or hold it. Must not change any state."""
+
+    def on_placed(self, req: RequestMeta, engine_id: str, now: float) -> None:
+        self.load.add(engine_id)
+
+    def on_finished(
+        self, req: RequestMeta, engine_id: str, completion: Completion, now: float
+    ) -> None:
+        self.load.remove(engine_id)
+
+    def on_session_end(self, session_key: str, now: float) -> None:  # noqa: B027
+        """A multi-turn session ended. Policies without sessions ignore it."""
+
+    def on_metrics(self, engines: Engines, now: float) -> None:  # noqa: B027
+        """A fresh scrape arrived."""
+
+    def on_epoch(self, now: float) -> None:  # noqa: B027
+        """Periodic housekeeping; called every admission epoch."""
+
+    def on_engine_removed(self, engine_id: str, now: float) -> None:
+        self.load.drop_engine(engine_id)
+
+    def describe(self) -> dict[str, object]:
+        """State worth showing in ``/status`` (JSON-serialisable)."""
+        return {"policy": self.name.value, "in_flight": dict(self.load.items())}

@@ -1,0 +1,208 @@
+"""Drives one policy: the HOLD ledger, session lifecycle and mixture accounting.
+
+The runner is what the router service and the simulator both call. It keeps
+three promises the policies rely on:
+
+- held work is never dropped, relabelled or resampled: a held request leaves
+  the ledger only by being placed or by its own caller cancelling it (client
+  gone, deadline passed);
+- within a class, held work is released in arrival order, and a new request
+  of a class that has older held work queues behind it;
+- continuations of a live session are decided at once (the policy admits
+  them), never queued behind new sessions.
+
+Pure like the policies: no clock (``now`` is passed in), no I/O.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from .base import Engines, Policy
+from .mixture import MixtureTracker
+from .settings import WorkloadMix
+from .types import Completion, Decision, Reason, RequestMeta
+
+
+@dataclass(slots=True)
+class HeldEntry:
+    req: RequestMeta
+    held_at: float
+    reason: Reason
+
+
+@dataclass(slots=True)
+class SessionRecord:
+    workload_class: str
+    multi_turn: bool
+    started_at: float
+    last_activity: float
+    in_flight: int = 0
+    engine_id: str | None = None
+
+
+class PolicyRunner:
+    """One policy plus the state every policy needs around it."""
+
+    def __init__(self, policy: Policy, mix: WorkloadMix) -> None:
+        self.policy = policy
+        self.mix = mix
+        self.mixture = MixtureTracker(mix.target)
+        self.paused = False
+        # Insertion-ordered: iteration order is arrival order.
+        self._held: OrderedDict[str, HeldEntry] = OrderedDict()
+        self._held_per_class: dict[str, int] = {}
+        self.sessions: dict[str, SessionRecord] = {}
+        self.sessions_ended_idle = 0
+
+    # ---- requests -------------------------------------------------------
+
+    def is_continuation(self, req: RequestMeta) -> bool:
+        return req.session_id is not None and req.session_key in self.sessions
+
+    def submit(self, req: RequestMeta, engines: Engines, now: float) -> Decision:
+        """Decide a new request. A HOLD puts it in the ledger; a PLACE is applied at once."""
+        if req.request_id in self._held:
+            raise ValueError(f"request {req.request_id!r} is already held")
+        if self.paused:
+            decision = Decision.hold(Reason.HOLD_PAUSED)
+        elif not self.is_continuation(req) and self._held_per_class.get(req.workload_class, 0):
+            decision = Decision.hold(Reason.HOLD_QUEUED)
+        else:
+            decision = self.policy.decide(req, engines, now)
+        if decision.placed:
+            assert decision.engine_id is not None
+            self._apply_placement(req, decision.engine_id, now)
+        else:
+            self._held[req.request_id] = HeldEntry(req, now, decision.reason)
+            self._held_per_class[req.workload_class] = (
+                self._held_per_class.get(req.workload_class, 0) + 1
+            )
+        return decision
+
+    def release(self, engines: Engines, now: float) -> list[tuple[RequestMeta, Decision]]:
+        """Re-evaluate held work (once per epoch, or when room appears).
+
+        Returns the requests placed now, in order; each is already applied.
+        A class whose oldest held request still does not fit stays blocked for
+        this pass, so its order is kept, while other classes may proceed.
+        """
+        if self.paused or not self._held:
+            return []
+        released: list[tuple[RequestMeta, Decision]] = []
+        blocked: set[str] = set()
+        for rid, entry in list(self._held.items()):
+            req = entry.req
+            if req.workload_class in blocked and not self.is_continuation(req):
+                continue
+            decision = self.policy.decide(req, engines, now)
+            if not decision.placed:
+                entry.reason = decision.reason
+                blocked.add(req.workload_class)
+                continue
+            self._remove_held(rid)
+            assert decision.engine_id is not None
+            self._apply_placement(req, decision.engine_id, now)
+            released.append((req, decision))
+        return released
+
+    def cancel(self, request_id: str) -> bool:
+        """The caller gave up on a held request (client gone, deadline passed)."""
+        return self._remove_held(request_id) is not None
+
+    def finish(
+        self, req: RequestMeta, engine_id: str, completion: Completion, now: float
+    ) -> None:
+        """A placed request ended (answered, failed, or aborted by its client)."""
+        self.policy.on_finished(req, engine_id, completion, now)
+        rec = self.sessions.get(req.session_key)
+        if rec is None:
+            return
+        rec.in_flight = max(0, rec.in_flight - 1)
+        rec.last_activity = now
+        if not rec.multi_turn:
+            self._end(req.session_key, now, completed=completion.ok)
+        elif req.end_of_session and rec.in_flight == 0:
+            self._end(req.session_key, now, completed=completion.ok)
+
+    def end_session(self, session_key: str, now: float) -> bool:
+        """Explicit end of a multi-turn session (``POST /v1/sessions/{id}/end``)."""
+        rec = self.sessions.get(session_key)
+        if rec is None:
+            return False
+        self._end(session_key, now, completed=True)
+        return True
+
+    # ---- periodic -------------------------------------------------------
+
+    def on_metrics(self, engines: Engines, now: float) -> None:
+        self.policy.on_metrics(engines, now)
+
+    def epoch(self, engines: Engines, now: float) -> list[tuple[RequestMeta, Decision]]:
+        """Housekeeping, idle-session expiry, then release of held work."""
+        idle_s = self.policy.settings.admission.session_idle_timeout_s
+        for key, rec in list(self.sessions.items()):
+            if rec.multi_turn and rec.in_flight == 0 and now - rec.last_activity >= idle_s:
+                self.sessions_ended_idle += 1
+                self._end(key, now, completed=True)
+        self.policy.on_epoch(now)
+        return self.release(engines, now)
+
+    def remove_engine(self, engine_id: str, now: float) -> None:
+        """An engine left the pool: sessions pinned to it are forgotten by the policy."""
+        self.policy.on_engine_removed(engine_id, now)
+        for rec in self.sessions.values():
+            if rec.engine_id == engine_id:
+                rec.engine_id = None
+
+    def set_mix(self, mix: WorkloadMix) -> None:
+        self.mix = mix
+        self.mixture.retarget(mix.target)
+
+    # ---- views ----------------------------------------------------------
+
+    def held(self) -> list[HeldEntry]:
+        return list(self._held.values())
+
+    def held_count(self, workload_class: str | None = None) -> int:
+        if workload_class is None:
+            return len(self._held)
+        return self._held_per_class.get(workload_class, 0)
+
+    def active_sessions(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for rec in self.sessions.values():
+            out[rec.workload_class] = out.get(rec.workload_class, 0) + 1
+        return out
+
+    # ---- internals ------------------------------------------------------
+
+    def _apply_placement(self, req: RequestMeta, engine_id: str, now: float) -> None:
+        rec = self.sessions.get(req.session_key)
+        if rec is None:
+            spec = self.mix.get(req.workload_class)
+            multi = bool(spec and spec.multi_turn) and req.session_id is not None
+            rec = SessionRecord(req.workload_class, multi, now, now)
+            self.sessions[req.session_key] = rec
+        rec.in_flight += 1
+        rec.last_activity = now
+        rec.engine_id = engine_id
+        self.policy.on_placed(req, engine_id, now)
+
+    def _remove_held(self, request_id: str) -> HeldEntry | None:
+        entry = self._held.pop(request_id, None)
+        if entry is not None:
+            c = entry.req.workload_class
+            self._held_per_class[c] -= 1
+            if not self._held_per_class[c]:
+                del self._held_per_class[c]
+        return entry
+
+    def _end(self, session_key: str, now: float, *, completed: bool) -> None:
+        rec = self.sessions.pop(session_key, None)
+        if rec is None:
+            return
+        self.policy.on_session_end(session_key, now)
+        if completed:
+            self.mixture.record(rec.workload_class)

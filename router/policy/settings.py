@@ -1,0 +1,288 @@
+"""Every constant the policies use, as named settings with documented defaults.
+
+Units are in the field names or descriptions. Where the MISA-T paper gives no
+value, the default is this project's choice and its description says so
+("project default"); the benchmark (``misat bench``) is where such defaults
+were chosen, and ``docs/policy.md`` records the measurements.
+
+Models are frozen and strict about unknown fields: a typo in a setting is a
+start-up error naming the path, never a silently ignored key.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Settings(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class PolicyName(StrEnum):
+    """Policies behind the one interface. The first three are MISA-T and its ablations."""
+
+    MISA_T = "misa-t"
+    """Session admission + per-class KV budgets weighted by N * k * T."""
+    MISA = "misa"
+    """Session admission + per-class KV budgets weighted by N * k (no residency time)."""
+    SESSION_ADMISSION = "session-admission"
+    """Adaptive per-engine session caps only; no per-class budgets."""
+    CACHE_AWARE = "cache-aware"
+    """The vLLM Router's ``cache_aware`` policy, re-implemented exactly."""
+    LEAST_LOADED = "least-loaded"
+    ROUND_ROBIN = "round-robin"
+
+    @property
+    def uses_admission(self) -> bool:
+        return self in (PolicyName.MISA_T, PolicyName.MISA, PolicyName.SESSION_ADMISSION)
+
+    @property
+    def uses_class_budgets(self) -> bool:
+        return self in (PolicyName.MISA_T, PolicyName.MISA)
+
+    @property
+    def uses_residency(self) -> bool:
+        return self is PolicyName.MISA_T
+
+
+Fraction = Annotated[float, Field(ge=0.0, le=1.0)]
+Percentile = Annotated[float, Field(gt=0.0, le=100.0)]
+
+
+class PrefixIndexSettings(_Settings):
+    """The router's own index of what each engine's prefix cache probably holds."""
+
+    block_size: int = Field(
+        16, ge=1, le=4096,
+        description="Tokens per hashed block; match vLLM's KV block size (16 on GPU, 128 on CPU).",
+    )
+    max_blocks_per_engine: int = Field(
+        1 << 20, ge=1,
+        description="LRU bound on indexed blocks per engine (project default: far above any "
+        "engine's KV so the engine's own eviction, not the index, is what trims reuse).",
+    )
+    text_chunk_chars: int = Field(
+        64, ge=1,
+        description="Characters per hashed chunk of a text prompt (project default). Text prompts "
+        "are indexed without tokenising, so they need no round trip to an engine.",
+    )
+    chars_per_token: float = Field(
+        4.0, gt=0.0,
+        description="Characters per token used to turn a text prefix match into tokens and to "
+        "estimate a text prompt's length (project default; typical of BPE vocabularies).",
+    )
+
+
+class PlacementSettings(_Settings):
+    """Cost ``c(r, w) = d_w + (L_r - H_{r,w}) / mu_w`` (seconds)."""
+
+    prefill_tokens_per_s: float = Field(
+        20_000.0, gt=0.0,
+        description="mu_w: prefill rate of one engine in tokens/s (project default; order of a "
+        "30B-A3B MoE replica on H100s). Only ratios between engines' costs matter when all "
+        "engines are alike.",
+    )
+    delay_per_waiting_s: float = Field(
+        0.05, ge=0.0,
+        description="Backlog delay d_w added per request the engine reports waiting (project default).",
+    )
+    delay_per_inflight_s: float = Field(
+        0.002, ge=0.0,
+        description="Backlog delay d_w added per request the router has in flight on the engine "
+        "(project default; about one decode step's share of a full batch).",
+    )
+
+
+class FootprintSettings(_Settings):
+    """k_b: the KV tokens a session of class b holds, from recently completed sessions."""
+
+    statistic: str = Field(
+        "peak", pattern="^(peak|mean)$",
+        description="'peak': a session's largest prompt+output; 'mean': half of it, the time "
+        "average of a linearly growing context.",
+    )
+    percentile: Percentile = Field(
+        50.0,
+        description="Percentile of the recent footprints used as k_b. The median (project "
+        "default) keeps engines full; a p90 of peak KV leaves them about a quarter full "
+        "(docs/policy.md).",
+    )
+    window: int = Field(256, ge=1, description="Completed sessions remembered per class.")
+    min_samples: int = Field(
+        4, ge=1, description="Completions needed before the estimate replaces the bootstrap value."
+    )
+    bootstrap_tokens: int = Field(
+        8192, ge=1,
+        description="k_b before a class has min_samples completions (project default); a class "
+        "may override it in the router config.",
+    )
+
+
+class ResidencySettings(_Settings):
+    """T_b: how long a session of class b keeps KV resident, tool gaps included."""
+
+    percentile: Percentile = Field(50.0, description="Percentile of recent residency times.")
+    window: int = Field(256, ge=1, description="Completed sessions remembered per class.")
+    min_samples: int = Field(
+        4, ge=1,
+        description="Completions needed before T_b is used; until then a class gets the mean "
+        "T of the classes that have one (or 1 when none has), i.e. no tilt.",
+    )
+
+
+class SessionAdmissionSettings(_Settings):
+    """Adaptive per-engine session caps and the hit-rate guard on new sessions."""
+
+    epoch_s: float = Field(
+        0.5, gt=0.0,
+        description="Seconds between re-evaluations of held work and of the hit-rate guard "
+        "(project default; about two scrapes).",
+    )
+    reference_percentile: Percentile = Field(
+        50.0,
+        description="Percentile of recent completed-session footprints (all classes) that sets "
+        "the per-engine cap K_w = floor(C_w * budget / reference).",
+    )
+    reference_window: int = Field(512, ge=1, description="Completed sessions in the moving reference.")
+    min_sessions_per_engine: int = Field(
+        1, ge=1, description="K_w never falls below this, so every engine keeps making progress."
+    )
+    max_sessions_per_engine: int = Field(
+        4096, ge=1, description="Upper bound on K_w (guards against a tiny reference footprint)."
+    )
+    healthy_hit_decay: Fraction = Field(
+        0.98,
+        description="Per-epoch decay of the healthy hit-rate reference h*: h* = max(h, h* * "
+        "decay), so it tracks a recent healthy level rather than a fixed threshold.",
+    )
+    hit_ewma_alpha: Fraction = Field(
+        0.5, description="Smoothing of the per-epoch hit rate h_w (weight of the newest epoch)."
+    )
+    degradation_tolerance: Fraction = Field(
+        0.05,
+        description="G_w = h* - h_w must exceed this (absolute hit-rate points / 100) to count "
+        "as degraded (project default).",
+    )
+    confirm_epochs: int = Field(
+        3, ge=1,
+        description="Consecutive degraded epochs before the new-session cap is cut (project default).",
+    )
+    cut_gain: float = Field(
+        2.0, ge=0.0,
+        description="On confirmed degradation the new-session factor becomes at most "
+        "1 - cut_gain * G_w / h* (project default).",
+    )
+    min_new_session_factor: Fraction = Field(
+        0.25, description="Floor of the new-session factor (project default)."
+    )
+    recovery_per_epoch: Fraction = Field(
+        0.05,
+        description="Additive recovery of the new-session factor per healthy epoch (project default).",
+    )
+    min_queries_per_epoch: float = Field(
+        256.0, ge=0.0,
+        description="Prompt tokens an engine must have looked up in an epoch for its hit rate to "
+        "count as a sample; quieter epochs neither confirm nor clear degradation.",
+    )
+    session_idle_timeout_s: float = Field(
+        600.0, gt=0.0,
+        description="A multi-turn session with no request for this long is ended (frees its budget).",
+    )
+
+
+class CacheAwareSettings(_Settings):
+    """The vLLM Router ``cache_aware`` knobs, with its defaults (vllm-router 0.1.17)."""
+
+    cache_threshold: Fraction = 0.3
+    balance_abs_threshold: int = Field(64, ge=0)
+    balance_rel_threshold: float = Field(1.5, ge=1.0)
+    eviction_interval_s: float = Field(120.0, gt=0.0)
+    max_tree_size: int = Field(1 << 25, ge=1)
+
+
+class PolicySettings(_Settings):
+    """The policy and all of its knobs; the router config and RolloutPool carry this."""
+
+    name: PolicyName = PolicyName.MISA_T
+    kv_budget_fraction: Fraction = Field(
+        0.9,
+        description="Share of each engine's KV the router may allocate to sessions (project "
+        "default; the rest absorbs growth between scrapes).",
+    )
+    concurrency_limit: int | None = Field(
+        None, ge=1,
+        description="Static global limit on in-flight requests with a FIFO queue, as the vLLM "
+        "Router's --max-concurrent-requests. None: no limit. Usable with any policy.",
+    )
+    prefix: PrefixIndexSettings = PrefixIndexSettings()
+    placement: PlacementSettings = PlacementSettings()
+    admission: SessionAdmissionSettings = SessionAdmissionSettings()
+    footprint: FootprintSettings = FootprintSettings()
+    residency: ResidencySettings = ResidencySettings()
+    cache_aware: CacheAwareSettings = CacheAwareSettings()
+
+
+class ClassSpec(_Settings):
+    """One workload class: its target share and budget bounds."""
+
+    name: str = Field(pattern=r"^[a-z0-9]([-a-z0-9_]*[a-z0-9])?$", max_length=63)
+    share: float = Field(ge=0.0, le=100.0, description="Target share of completed units, percent.")
+    multi_turn: bool = Field(
+        False,
+        description="Sessions span several requests (agentic). Single-request classes end a "
+        "session when its request completes.",
+    )
+    min_share: Fraction | None = Field(
+        None, description="Least share of each engine's KV budget this class may always use."
+    )
+    max_share: Fraction | None = Field(
+        None, description="Largest share of each engine's KV budget this class may use."
+    )
+    bootstrap_footprint_tokens: int | None = Field(
+        None, ge=1, description="Overrides footprint.bootstrap_tokens for this class."
+    )
+
+    @model_validator(mode="after")
+    def _bounds(self) -> ClassSpec:
+        if self.min_share is not None and self.max_share is not None and self.min_share > self.max_share:
+            raise ValueError(f"min_share {self.min_share} is above max_share {self.max_share}")
+        return self
+
+
+class WorkloadMix(_Settings):
+    """The trainer's workload classes; shares sum to 100."""
+
+    classes: tuple[ClassSpec, ...] = Field(min_length=1)
+    default_class: str | None = Field(
+        None, description="Class for unlabelled requests; None means labels are required."
+    )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> WorkloadMix:
+        names = [c.name for c in self.classes]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"class names must be unique, repeated: {', '.join(dupes)}")
+        total = sum(c.share for c in self.classes)
+        if abs(total - 100.0) > 1e-6:
+            raise ValueError(f"class shares must sum to 100, they sum to {total:g}")
+        mins = sum(c.min_share or 0.0 for c in self.classes)
+        if mins > 1.0 + 1e-9:
+            raise ValueError(f"min_share values sum to {mins:g}, above 1")
+        if self.default_class is not None and self.default_class not in names:
+            raise ValueError(f"default_class {self.default_class!r} is not one of {names}")
+        return self
+
+    def get(self, name: str) -> ClassSpec | None:
+        for c in self.classes:
+            if c.name == name:
+                return c
+        return None
+
+    @property
+    def target(self) -> dict[str, float]:
+        """Target mixture as fractions summing to 1."""
+        return {c.name: c.share / 100.0 for c in self.classes}

@@ -1,0 +1,137 @@
+"""Values that flow through the policy: what a request is, what an engine looks
+like from its metrics, and what the policy decided.
+
+Everything here is immutable. Policies never read a clock: every hook takes
+``now`` (seconds, any monotonic origin) from its caller, so the same policy
+objects run in the live router and in the simulator's virtual time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+
+@dataclass(frozen=True, slots=True)
+class RequestMeta:
+    """One request as the policy sees it.
+
+    ``session_id`` may be ``None`` for single-request classes: the request is
+    then its own session and ``request_id`` stands in for the session id.
+    ``prompt_token_ids`` and ``prompt_text`` are alternatives; with neither,
+    the request gets no prefix affinity. ``prompt_tokens`` is the prompt
+    length in tokens (exact for token-id prompts, an estimate for text).
+    """
+
+    request_id: str
+    workload_class: str
+    session_id: str | None = None
+    turn: int = 0
+    prompt_token_ids: tuple[int, ...] | None = None
+    prompt_text: str | None = None
+    prompt_tokens: int = 0
+    max_tokens: int | None = None
+    end_of_session: bool = False
+
+    @property
+    def session_key(self) -> str:
+        """The id under which the policy tracks this request's session."""
+        return self.session_id if self.session_id is not None else f"req:{self.request_id}"
+
+    @property
+    def single_request(self) -> bool:
+        return self.session_id is None
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSnapshot:
+    """An engine as its last ``/metrics`` scrape and health check showed it.
+
+    Counters (``prefix_*_total``, ``preemptions_total``) are cumulative, as
+    vLLM exports them; policies difference consecutive snapshots.
+    ``kv_capacity_tokens`` is ``num_gpu_blocks * block_size`` from
+    ``vllm:cache_config_info``.
+    """
+
+    engine_id: str
+    healthy: bool = True
+    kv_capacity_tokens: int = 0
+    kv_usage: float = 0.0
+    num_running: int = 0
+    num_waiting: int = 0
+    prefix_queries_total: float = 0.0
+    prefix_hits_total: float = 0.0
+    preemptions_total: float = 0.0
+    scraped_at: float = 0.0
+
+    @property
+    def kv_used_tokens(self) -> float:
+        return self.kv_usage * self.kv_capacity_tokens
+
+
+class Action(StrEnum):
+    PLACE = "place"
+    HOLD = "hold"
+
+
+class Reason(StrEnum):
+    """Why a decision came out as it did; metrics count these labels."""
+
+    CONTINUATION = "continuation"
+    """The session already lives on this engine."""
+    CONTINUATION_MOVED = "continuation_moved"
+    """The session's engine is gone; the continuation was placed anew."""
+    NEW_SESSION = "new_session"
+    """Admitted as a new session, placed by estimated cost."""
+    ROUND_ROBIN = "round_robin"
+    LEAST_LOADED = "least_loaded"
+    CACHE_HIT = "cache_hit"
+    """cache_aware: best prefix match above the threshold."""
+    CACHE_MISS = "cache_miss"
+    """cache_aware: no match above the threshold; least-loaded engine."""
+    IMBALANCE = "imbalance"
+    """cache_aware: load imbalance overrides prefix affinity."""
+    HOLD_NO_ENGINE = "no_healthy_engine"
+    HOLD_SESSION_CAP = "session_cap"
+    """Every engine is at its (possibly cut) new-session cap."""
+    HOLD_CLASS_CAP = "class_cap"
+    """Engines with session room have no room in this class's KV budget."""
+    HOLD_CONCURRENCY_LIMIT = "concurrency_limit"
+    """The static global concurrency limit is reached."""
+    HOLD_PAUSED = "paused"
+    """The router is paused (weight update)."""
+    HOLD_QUEUED = "queued_behind"
+    """Older held work of this class goes first."""
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """Place on ``engine_id``, or hold, with the reason and the scores that led there."""
+
+    action: Action
+    reason: Reason
+    engine_id: str | None = None
+    scores: Mapping[str, float] = field(default_factory=dict)
+
+    @staticmethod
+    def place(engine_id: str, reason: Reason, scores: Mapping[str, float] | None = None) -> Decision:
+        return Decision(Action.PLACE, reason, engine_id, scores or {})
+
+    @staticmethod
+    def hold(reason: Reason, scores: Mapping[str, float] | None = None) -> Decision:
+        return Decision(Action.HOLD, reason, None, scores or {})
+
+    @property
+    def placed(self) -> bool:
+        return self.action is Action.PLACE
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """What the router learns when a request finishes on an engine."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int | None = None
+    ok: bool = True
