@@ -29,3 +29,7 @@ microbench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache .hypothesis
+
+# Real vLLM (CPU build) end to end: its own environment, a tiny model built locally.
+e2e:
+	bash scripts/e2e.sh

@@ -6,7 +6,8 @@ through explicit hooks that the runner (``PolicyRunner``) calls:
 
 - ``on_placed``: a request was sent to an engine (insert its prefix, count it);
 - ``on_finished``: the engine answered (or failed) that request;
-- ``on_session_end``: a multi-turn session ended (explicitly or idle);
+- ``on_hold`` / ``on_unhold``: a request entered or left the HOLD ledger;
+- ``on_session_end``: a session ended (explicitly, idle, or its one request done);
 - ``on_metrics``: a fresh scrape of the engines;
 - ``on_epoch``: periodic housekeeping (LRU sweeps, estimator refresh);
 - ``on_engine_removed``: an engine left the pool; drop what it held.
@@ -84,6 +85,15 @@ class Policy(ABC):
     ) -> None:
         self.load.remove(engine_id)
 
+    def on_hold(self, req: RequestMeta, now: float) -> None:  # noqa: B027
+        """``req`` entered the HOLD ledger (it counts as demand of its class)."""
+
+    def on_unhold(self, req: RequestMeta, now: float) -> None:  # noqa: B027
+        """``req`` left the ledger: about to be placed, or cancelled by its caller."""
+
+    def on_prefix_cache_reset(self, now: float) -> None:  # noqa: B027
+        """Every engine's prefix cache was reset (weight update): hit rates restart from zero."""
+
     def on_session_end(self, session_key: str, now: float) -> None:  # noqa: B027
         """A multi-turn session ended. Policies without sessions ignore it."""
 
@@ -95,6 +105,10 @@ class Policy(ABC):
 
     def on_engine_removed(self, engine_id: str, now: float) -> None:
         self.load.drop_engine(engine_id)
+
+    def set_mix(self, mix: WorkloadMix) -> None:
+        """A new workload mixture (hot reload); what the policy learned is kept."""
+        self.mix = mix
 
     def describe(self) -> dict[str, object]:
         """State worth showing in ``/status`` (JSON-serialisable)."""

@@ -79,6 +79,7 @@ class PolicyRunner:
             self._held_per_class[req.workload_class] = (
                 self._held_per_class.get(req.workload_class, 0) + 1
             )
+            self.policy.on_hold(req, now)
         return decision
 
     def release(self, engines: Engines, now: float) -> list[tuple[RequestMeta, Decision]]:
@@ -101,15 +102,15 @@ class PolicyRunner:
                 entry.reason = decision.reason
                 blocked.add(req.workload_class)
                 continue
-            self._remove_held(rid)
+            self._remove_held(rid, now)
             assert decision.engine_id is not None
             self._apply_placement(req, decision.engine_id, now)
             released.append((req, decision))
         return released
 
-    def cancel(self, request_id: str) -> bool:
+    def cancel(self, request_id: str, now: float) -> bool:
         """The caller gave up on a held request (client gone, deadline passed)."""
-        return self._remove_held(request_id) is not None
+        return self._remove_held(request_id, now) is not None
 
     def finish(
         self, req: RequestMeta, engine_id: str, completion: Completion, now: float
@@ -121,9 +122,7 @@ class PolicyRunner:
             return
         rec.in_flight = max(0, rec.in_flight - 1)
         rec.last_activity = now
-        if not rec.multi_turn:
-            self._end(req.session_key, now, completed=completion.ok)
-        elif req.end_of_session and rec.in_flight == 0:
+        if not rec.multi_turn or (req.end_of_session and rec.in_flight == 0):
             self._end(req.session_key, now, completed=completion.ok)
 
     def end_session(self, session_key: str, now: float) -> bool:
@@ -156,8 +155,13 @@ class PolicyRunner:
             if rec.engine_id == engine_id:
                 rec.engine_id = None
 
+    def reset_prefix_caches(self, now: float) -> None:
+        """The caller reset every engine's prefix cache (weight update)."""
+        self.policy.on_prefix_cache_reset(now)
+
     def set_mix(self, mix: WorkloadMix) -> None:
         self.mix = mix
+        self.policy.set_mix(mix)
         self.mixture.retarget(mix.target)
 
     # ---- views ----------------------------------------------------------
@@ -190,9 +194,10 @@ class PolicyRunner:
         rec.engine_id = engine_id
         self.policy.on_placed(req, engine_id, now)
 
-    def _remove_held(self, request_id: str) -> HeldEntry | None:
+    def _remove_held(self, request_id: str, now: float) -> HeldEntry | None:
         entry = self._held.pop(request_id, None)
         if entry is not None:
+            self.policy.on_unhold(entry.req, now)
             c = entry.req.workload_class
             self._held_per_class[c] -= 1
             if not self._held_per_class[c]:

@@ -64,6 +64,11 @@ class PrefixIndexSettings(_Settings):
         description="LRU bound on indexed blocks per engine (project default: far above any "
         "engine's KV so the engine's own eviction, not the index, is what trims reuse).",
     )
+    capacity_multiple: float = Field(
+        1.0, gt=0.0,
+        description="Each engine's index keeps at most this many times the engine's KV blocks "
+        "(project default: an engine cannot cache more than its KV, so older keys are stale).",
+    )
     text_chunk_chars: int = Field(
         64, ge=1,
         description="Characters per hashed chunk of a text prompt (project default). Text prompts "

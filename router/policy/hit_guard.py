@@ -1,0 +1,86 @@
+"""The prefix-hit guard on new sessions, one per engine.
+
+When too many sessions share an engine's KV, reusable prefixes are evicted
+and the prefix-hit rate falls before throughput does. The guard compares the
+engine's current hit rate ``h`` with a recent healthy level ``h*`` (a decaying
+maximum, not a fixed threshold): ``G = max(0, h* - h)``. Only when ``G``
+exceeds a tolerance for ``confirm_epochs`` consecutive samples is the
+new-session factor cut, to at most ``1 - cut_gain * G / h*`` (floored); each
+healthy sample restores it additively. A sample is one or more scrapes
+adding up to at least ``min_queries_per_epoch`` looked-up prompt tokens, so a
+quiet engine's noise never counts. Continuations are never gated by it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .settings import SessionAdmissionSettings
+from .types import EngineSnapshot
+
+
+@dataclass(slots=True)
+class HitGuard:
+    settings: SessionAdmissionSettings
+    factor: float = 1.0
+    hit_rate: float | None = None
+    healthy: float | None = None
+    streak: int = 0
+    cuts: int = 0
+    _last_queries: float | None = None
+    _last_hits: float = 0.0
+    _acc_queries: float = 0.0
+    _acc_hits: float = 0.0
+
+    def observe(self, snap: EngineSnapshot) -> None:
+        """Feed one scrape's cumulative counters."""
+        q, h = snap.prefix_queries_total, snap.prefix_hits_total
+        if self._last_queries is None or q < self._last_queries or h < self._last_hits:
+            # First scrape or an engine restart (counters went back): new baseline.
+            self._last_queries, self._last_hits = q, h
+            return
+        self._acc_queries += q - self._last_queries
+        self._acc_hits += h - self._last_hits
+        self._last_queries, self._last_hits = q, h
+        if self._acc_queries < max(self.settings.min_queries_per_epoch, 1e-9):
+            return
+        sample = min(1.0, self._acc_hits / self._acc_queries)
+        self._acc_queries = self._acc_hits = 0.0
+        self._update(sample)
+
+    def _update(self, sample: float) -> None:
+        s = self.settings
+        self.hit_rate = (
+            sample if self.hit_rate is None
+            else s.hit_ewma_alpha * sample + (1.0 - s.hit_ewma_alpha) * self.hit_rate
+        )
+        self.healthy = (
+            self.hit_rate if self.healthy is None
+            else max(self.hit_rate, self.healthy * s.healthy_hit_decay)
+        )
+        gap = max(0.0, self.healthy - self.hit_rate)
+        if gap > s.degradation_tolerance:
+            self.streak += 1
+            if self.streak >= s.confirm_epochs and self.healthy > 0:
+                target = 1.0 - s.cut_gain * gap / self.healthy
+                cut = max(s.min_new_session_factor, min(self.factor, target))
+                if cut < self.factor:
+                    self.cuts += 1
+                self.factor = cut
+        else:
+            self.streak = 0
+            self.factor = min(1.0, self.factor + s.recovery_per_epoch)
+
+    def reset(self) -> None:
+        """Forget the healthy level (after a prefix-cache reset everything starts cold)."""
+        self.hit_rate = None
+        self.healthy = None
+        self.streak = 0
+        self.factor = 1.0
+        self._acc_queries = self._acc_hits = 0.0
+
+    @property
+    def degradation(self) -> float:
+        if self.hit_rate is None or self.healthy is None:
+            return 0.0
+        return max(0.0, self.healthy - self.hit_rate)

@@ -1,0 +1,409 @@
+"""MISA-T: mix-aware session admission with a time factor, and its ablations.
+
+Algorithm (``docs/misa-t.md`` is the specification):
+
+1. Continuations of a live session are always admitted, on the session's
+   engine; if that engine is gone (or the router restarted and the session
+   is unknown but ``turn > 0``), on the cheapest healthy engine, caps ignored.
+2. A new session of class ``b`` may go to engine ``w`` only if
+   - ``w`` is below its new-session cap ``floor(K_w * f_w)``, where
+     ``K_w = floor(C_w * budget / k_ref)`` is how many sessions of today's size
+     fit in the engine's KV budget (``k_ref``: the footprints ``k_b`` averaged
+     over the live population) and ``f_w`` is the hit guard's factor
+     (``hit_guard.py``), and
+   - (MISA, MISA-T) class ``b`` is below its cap on ``w``:
+     ``K_{w,b} = max(1, floor(M_{w,b} / k_b))``, ``M_{w,b} = C_w * budget *
+     R_{w,b} / sum R``, ``R_{w,b} = N_{w,b} * k_b * T_b`` (MISA-T) or
+     ``N_{w,b} * k_b`` (MISA), with ``N_{w,b}`` the class's live sessions on
+     ``w`` plus an even share of its held ones.
+   Among the engines that pass, the lowest estimated cost wins:
+   ``c = d_w + (L - H_w) / mu`` (``placement`` settings; ``H_w`` from the
+   prefix index). No engine passes: HOLD, with the binding reason.
+3. Occupancy counts the router's own live sessions plus load the engine
+   reports that this router did not place. Requests placed or finished since
+   the engine's last scrape are the pending set: they are taken from the
+   router's books, not from the stale snapshot, so old metrics never
+   over-admit.
+4. On completion a session contributes its footprint (peak or mean KV
+   tokens) to ``k_b`` and its residency (admission to end, tool gaps
+   included) to ``T_b``.
+
+``session-admission`` mode runs step 2 without class caps.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+from .base import Engines, Policy, healthy_ids
+from .budgets import allocate, class_session_cap
+from .estimators import WindowPercentile
+from .hit_guard import HitGuard
+from .prefix_index import PrefixIndex, PromptKeys, prompt_keys
+from .settings import PolicySettings, WorkloadMix
+from .types import Completion, Decision, EngineSnapshot, Reason, RequestMeta
+
+_KEY_MEMO_LIMIT = 1 << 16
+"""Bound on memoised prompt keys (a cache, not a policy constant)."""
+
+
+@dataclass(slots=True)
+class LiveSession:
+    workload_class: str
+    engine_id: str
+    admitted_at: float
+    peak_tokens: int = 0
+    failed: bool = False
+
+
+class MisaPolicy(Policy):
+    """MISA-T, MISA or session-admission-only, by ``settings.name``."""
+
+    def __init__(self, settings: PolicySettings, mix: WorkloadMix) -> None:
+        super().__init__(settings, mix)
+        self.name = settings.name
+        self.budgets_on = settings.name.uses_class_budgets
+        self.residency_on = settings.name.uses_residency
+        self.index = PrefixIndex(settings.prefix)
+        self.sessions: dict[str, LiveSession] = {}
+        self.engine_sessions: dict[str, int] = {}
+        self.engine_class_sessions: dict[str, dict[str, int]] = {}
+        self.class_sessions: dict[str, int] = {}
+        self.held_ids: set[str] = set()
+        self.held_per_class: dict[str, int] = {}
+        self.footprint: dict[str, WindowPercentile] = {}
+        self.residency: dict[str, WindowPercentile] = {}
+        self.guards: dict[str, HitGuard] = {}
+        self.snapshots: dict[str, EngineSnapshot] = {}
+        # (time, +1 placed / -1 finished) per engine since its last scrape.
+        self._events: dict[str, deque[tuple[float, int]]] = {}
+        self._key_memo: dict[str, PromptKeys] = {}
+        self._set_mix_bounds(mix)
+
+    def _set_mix_bounds(self, mix: WorkloadMix) -> None:
+        self._min_share = {c.name: c.min_share for c in mix.classes if c.min_share is not None}
+        self._max_share = {c.name: c.max_share for c in mix.classes if c.max_share is not None}
+        self._bootstrap = {
+            c.name: float(c.bootstrap_footprint_tokens or self.settings.footprint.bootstrap_tokens)
+            for c in mix.classes
+        }
+
+    # ---- estimates ------------------------------------------------------
+
+    def footprint_of(self, workload_class: str) -> float:
+        """k_b in KV tokens."""
+        est = self.footprint.get(workload_class)
+        value = est.value() if est is not None else None
+        if value is None:
+            return self._bootstrap.get(workload_class, float(self.settings.footprint.bootstrap_tokens))
+        return max(1.0, value)
+
+    def residency_of(self, workload_class: str) -> float:
+        """T_b in seconds; classes without samples get the mean of those with (1 if none)."""
+        est = self.residency.get(workload_class)
+        value = est.value() if est is not None else None
+        if value is not None:
+            return max(value, 1e-6)
+        known = [v for e in self.residency.values() if (v := e.value()) is not None]
+        return max(sum(known) / len(known), 1e-6) if known else 1.0
+
+    def _demand(self, extra_class: str | None) -> dict[str, float]:
+        """Unfinished sessions per class (live + held), plus the request being decided."""
+        demand: dict[str, float] = {c.name: 0.0 for c in self.mix.classes}
+        for b, n in self.class_sessions.items():
+            demand[b] = demand.get(b, 0.0) + n
+        for b, n in self.held_per_class.items():
+            demand[b] = demand.get(b, 0.0) + n
+        if extra_class is not None:
+            demand[extra_class] = demand.get(extra_class, 0.0) + 1
+        return demand
+
+    def reference_footprint(self, demand: dict[str, float]) -> float:
+        """k_ref: footprints averaged over the unfinished population (sessions of today's size)."""
+        total = sum(demand.values())
+        if total <= 0:
+            known = [self.footprint_of(c.name) for c in self.mix.classes]
+            return sum(known) / len(known)
+        return sum(n * self.footprint_of(b) for b, n in demand.items() if n) / total
+
+    def session_cap(self, snap: EngineSnapshot, k_ref: float) -> int:
+        """K_w: sessions of reference size that fit in the engine's KV budget."""
+        a = self.settings.admission
+        if snap.kv_capacity_tokens <= 0:
+            return a.max_sessions_per_engine
+        fit = math.floor(snap.kv_capacity_tokens * self.settings.kv_budget_fraction / k_ref)
+        return max(a.min_sessions_per_engine, min(a.max_sessions_per_engine, fit))
+
+    def new_session_cap(self, engine_id: str, snap: EngineSnapshot, k_ref: float) -> int:
+        cap = self.session_cap(snap, k_ref)
+        guard = self.guards.get(engine_id)
+        if guard is None or guard.factor >= 1.0:
+            return cap
+        return max(self.settings.admission.min_sessions_per_engine, math.floor(cap * guard.factor))
+
+    def class_budgets(
+        self, engine_id: str, snap: EngineSnapshot, demand: dict[str, float], n_engines: int
+    ) -> dict[str, float]:
+        """M_{w,b} in KV tokens for every class on one engine."""
+        per_class = self.engine_class_sessions.get(engine_id, {})
+        held_share = 1.0 / max(1, n_engines)
+        weights: dict[str, float] = {}
+        for b, total in demand.items():
+            live_here = per_class.get(b, 0)
+            held_b = total - self.class_sessions.get(b, 0)
+            n_wb = live_here + held_b * held_share
+            w = n_wb * self.footprint_of(b)
+            if self.residency_on:
+                w *= self.residency_of(b)
+            weights[b] = w
+        capacity = snap.kv_capacity_tokens * self.settings.kv_budget_fraction
+        if not self._min_share and not self._max_share:
+            total_w = sum(weights.values())
+            if total_w <= 0:
+                return dict.fromkeys(weights, 0.0)
+            return {b: capacity * w / total_w for b, w in weights.items()}
+        return allocate(capacity, weights, self._min_share, self._max_share)
+
+    def occupancy(self, engine_id: str, snap: EngineSnapshot) -> int:
+        """Sessions on the engine: ours, plus reported load that is not ours."""
+        ours = self.engine_sessions.get(engine_id, 0)
+        visible = snap.num_running + snap.num_waiting
+        if visible <= 0:
+            return ours
+        since = 0
+        events = self._events.get(engine_id)
+        if events:
+            for t, delta in reversed(events):
+                if t <= snap.scraped_at:
+                    break
+                since += delta
+        # Our in-flight requests at scrape time = now minus what changed since.
+        ours_at_scrape = self.load.get(engine_id) - since
+        return ours + max(0, visible - ours_at_scrape)
+
+    # ---- decide ---------------------------------------------------------
+
+    def _keys(self, req: RequestMeta) -> PromptKeys:
+        keys = self._key_memo.get(req.request_id)
+        if keys is None:
+            keys = prompt_keys(req, self.settings.prefix)
+            if len(self._key_memo) >= _KEY_MEMO_LIMIT:
+                self._key_memo.clear()
+            self._key_memo[req.request_id] = keys
+        return keys
+
+    def _prompt_len(self, req: RequestMeta) -> float:
+        if req.prompt_tokens:
+            return float(req.prompt_tokens)
+        if req.prompt_token_ids is not None:
+            return float(len(req.prompt_token_ids))
+        if req.prompt_text:
+            return len(req.prompt_text) / self.settings.prefix.chars_per_token
+        return 0.0
+
+    def _cost(self, engine_id: str, snap: EngineSnapshot, uncached: float) -> float:
+        p = self.settings.placement
+        backlog = snap.num_waiting * p.delay_per_waiting_s + self.load.get(engine_id) * p.delay_per_inflight_s
+        return backlog + max(0.0, uncached) / p.prefill_tokens_per_s
+
+    def _cheapest(
+        self, req: RequestMeta, engines: Engines, candidates: list[str]
+    ) -> tuple[str, float, float]:
+        keys = self._keys(req)
+        hits = self.index.match(keys, candidates)
+        length = self._prompt_len(req)
+        best, best_cost, best_hit = candidates[0], math.inf, 0.0
+        for w in candidates:
+            c = self._cost(w, engines[w], length - hits[w])
+            if c < best_cost:
+                best, best_cost, best_hit = w, c, hits[w]
+        return best, best_cost, best_hit
+
+    def decide(self, req: RequestMeta, engines: Engines, now: float) -> Decision:
+        live = self.sessions.get(req.session_key)
+        if live is not None:
+            snap = engines.get(live.engine_id)
+            if snap is not None and snap.healthy:
+                return Decision.place(live.engine_id, Reason.CONTINUATION)
+        healthy = healthy_ids(engines)
+        if not healthy:
+            return Decision.hold(Reason.HOLD_NO_ENGINE)
+        if live is not None or (req.turn > 0 and req.session_id is not None):
+            engine, cost, hit = self._cheapest(req, engines, healthy)
+            return Decision.place(engine, Reason.CONTINUATION_MOVED, {"cost": cost, "hit_tokens": hit})
+
+        cls = req.workload_class
+        demand = self._demand(None if req.request_id in self.held_ids else cls)
+        k_ref = self.reference_footprint(demand)
+        k_b = self.footprint_of(cls)
+        reason = Reason.HOLD_SESSION_CAP
+        admissible: list[str] = []
+        for w in healthy:
+            snap = engines[w]
+            if self.occupancy(w, snap) >= self.new_session_cap(w, snap, k_ref):
+                continue
+            if self.budgets_on:
+                budget = self.class_budgets(w, snap, demand, len(healthy))[cls]
+                if snap.kv_capacity_tokens > 0 and (
+                    self.engine_class_sessions.get(w, {}).get(cls, 0)
+                    >= class_session_cap(budget, k_b)
+                ):
+                    reason = Reason.HOLD_CLASS_CAP
+                    continue
+            admissible.append(w)
+        if not admissible:
+            return Decision.hold(reason, {"k_ref": k_ref, "k_b": k_b})
+        engine, cost, hit = self._cheapest(req, engines, admissible)
+        return Decision.place(engine, Reason.NEW_SESSION, {"cost": cost, "hit_tokens": hit})
+
+    # ---- learning hooks -------------------------------------------------
+
+    def _count(self, engine_id: str, workload_class: str, delta: int) -> None:
+        self.engine_sessions[engine_id] = self.engine_sessions.get(engine_id, 0) + delta
+        per = self.engine_class_sessions.setdefault(engine_id, {})
+        per[workload_class] = per.get(workload_class, 0) + delta
+        self.class_sessions[workload_class] = self.class_sessions.get(workload_class, 0) + delta
+
+    def on_hold(self, req: RequestMeta, now: float) -> None:
+        if req.request_id not in self.held_ids:
+            self.held_ids.add(req.request_id)
+            self.held_per_class[req.workload_class] = self.held_per_class.get(req.workload_class, 0) + 1
+
+    def on_unhold(self, req: RequestMeta, now: float) -> None:
+        if req.request_id in self.held_ids:
+            self.held_ids.discard(req.request_id)
+            self.held_per_class[req.workload_class] -= 1
+            if not self.held_per_class[req.workload_class]:
+                del self.held_per_class[req.workload_class]
+
+    def on_placed(self, req: RequestMeta, engine_id: str, now: float) -> None:
+        super().on_placed(req, engine_id, now)
+        self._events.setdefault(engine_id, deque()).append((now, 1))
+        keys = self._key_memo.pop(req.request_id, None) or prompt_keys(req, self.settings.prefix)
+        self.index.insert(keys, engine_id)
+        live = self.sessions.get(req.session_key)
+        if live is None:
+            self.sessions[req.session_key] = LiveSession(req.workload_class, engine_id, now)
+            self._count(engine_id, req.workload_class, 1)
+        elif live.engine_id != engine_id:
+            self._count(live.engine_id, live.workload_class, -1)
+            live.engine_id = engine_id
+            self._count(engine_id, live.workload_class, 1)
+
+    def on_finished(
+        self, req: RequestMeta, engine_id: str, completion: Completion, now: float
+    ) -> None:
+        super().on_finished(req, engine_id, completion, now)
+        self._events.setdefault(engine_id, deque()).append((now, -1))
+        live = self.sessions.get(req.session_key)
+        if live is None:
+            return
+        live.peak_tokens = max(live.peak_tokens, completion.prompt_tokens + completion.completion_tokens)
+        if not completion.ok:
+            live.failed = True
+
+    def on_session_end(self, session_key: str, now: float) -> None:
+        live = self.sessions.pop(session_key, None)
+        if live is None:
+            return
+        self._count(live.engine_id, live.workload_class, -1)
+        if live.failed or live.peak_tokens <= 0:
+            return
+        fp = self.settings.footprint
+        size = live.peak_tokens if fp.statistic == "peak" else live.peak_tokens / 2.0
+        self.footprint.setdefault(
+            live.workload_class, WindowPercentile(fp.window, fp.percentile, fp.min_samples)
+        ).add(size)
+        rs = self.settings.residency
+        self.residency.setdefault(
+            live.workload_class, WindowPercentile(rs.window, rs.percentile, rs.min_samples)
+        ).add(now - live.admitted_at)
+
+    def on_metrics(self, engines: Engines, now: float) -> None:
+        pf = self.settings.prefix
+        for w, snap in engines.items():
+            self.snapshots[w] = snap
+            self.guards.setdefault(w, HitGuard(self.settings.admission)).observe(snap)
+            if snap.kv_capacity_tokens > 0:
+                blocks = snap.kv_capacity_tokens / pf.block_size
+                self.index.set_limit(w, math.ceil(blocks * pf.capacity_multiple))
+            events = self._events.get(w)
+            while events and events[0][0] <= snap.scraped_at:
+                events.popleft()
+
+    def on_prefix_cache_reset(self, now: float) -> None:
+        self.index.clear()
+        for guard in self.guards.values():
+            guard.reset()
+
+    def on_engine_removed(self, engine_id: str, now: float) -> None:
+        super().on_engine_removed(engine_id, now)
+        for key, live in list(self.sessions.items()):
+            if live.engine_id == engine_id:
+                del self.sessions[key]
+                self._count(engine_id, live.workload_class, -1)
+        self.engine_sessions.pop(engine_id, None)
+        self.engine_class_sessions.pop(engine_id, None)
+        self.index.remove_engine(engine_id)
+        self.guards.pop(engine_id, None)
+        self.snapshots.pop(engine_id, None)
+        self._events.pop(engine_id, None)
+
+    def set_mix(self, mix: WorkloadMix) -> None:
+        """A new workload mixture (hot reload); live sessions and estimates are kept."""
+        self.mix = mix
+        self._set_mix_bounds(mix)
+
+    # ---- reporting ------------------------------------------------------
+
+    def describe(self) -> dict[str, object]:
+        demand = self._demand(None)
+        k_ref = self.reference_footprint(demand)
+        healthy = healthy_ids(self.snapshots)
+        engines: dict[str, object] = {}
+        for w in sorted(self.snapshots):
+            snap = self.snapshots[w]
+            guard = self.guards.get(w)
+            per = self.engine_class_sessions.get(w, {})
+            budgets = (
+                self.class_budgets(w, snap, demand, len(healthy)) if self.budgets_on else {}
+            )
+            engines[w] = {
+                "healthy": snap.healthy,
+                "kv_capacity_tokens": snap.kv_capacity_tokens,
+                "kv_usage": snap.kv_usage,
+                "session_cap": self.session_cap(snap, k_ref),
+                "new_session_cap": self.new_session_cap(w, snap, k_ref),
+                "occupancy": self.occupancy(w, snap),
+                "hit_rate": guard.hit_rate if guard else None,
+                "healthy_hit_rate": guard.healthy if guard else None,
+                "new_session_factor": guard.factor if guard else 1.0,
+                "classes": {
+                    b: {
+                        "sessions": per.get(b, 0),
+                        "budget_tokens": budgets.get(b),
+                        "cap": class_session_cap(budgets[b], self.footprint_of(b))
+                        if b in budgets else None,
+                        "used_tokens": per.get(b, 0) * self.footprint_of(b),
+                    }
+                    for b in demand
+                },
+            }
+        return {
+            "policy": self.name.value,
+            "in_flight": dict(self.load.items()),
+            "reference_footprint_tokens": k_ref,
+            "classes": {
+                b: {
+                    "footprint_tokens": self.footprint_of(b),
+                    "footprint_samples": self.footprint[b].count if b in self.footprint else 0,
+                    "residency_s": self.residency_of(b),
+                    "active_sessions": self.class_sessions.get(b, 0),
+                    "held": self.held_per_class.get(b, 0),
+                }
+                for b in demand
+            },
+            "engines": engines,
+        }

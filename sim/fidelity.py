@@ -1,0 +1,574 @@
+"""Trace-replay fidelity harness: the same seeded trace against any OpenAI-compatible server.
+
+Why: the simulator (``misat_sim.server``) is only useful if it shows the
+same dynamics as a real vLLM engine under the same load: how much of the
+prompt is served from the prefix cache, when the KV cache forces preemption,
+how long the waiting queue grows, in which order requests finish. This
+module replays one deterministic trace against a base URL (the real vLLM CPU
+server or the simulator), polls ``/metrics`` while it runs, and reports those
+figures as a :class:`FidelityResult`, so two runs can be compared side by
+side (``docs/fidelity.md``).
+
+A trace is data (:class:`Trace`): each request has an earliest send offset, a
+token-id prompt, ``max_tokens`` and ``ignore_eos``, and may wait for an earlier
+request of its session to finish (``after`` plus ``gap_s``), as an agentic
+turn waits for the previous one and its tool call. Prompts share prefixes on
+purpose: session turns extend the previous turn's prompt, GRPO-style groups
+repeat one prompt. Builders are pure and seeded.
+
+Two traces are provided, both for a server with 16 KV blocks of 128 tokens,
+``--max-model-len 1024`` and ``--max-num-seqs 8``:
+
+* ``fits``: two GRPO groups and two multi-turn sessions whose working set
+  fits the KV cache: prefix hits, no preemption, little queueing.
+* ``oversubscribed``: 16 requests of 100 prompt + 400 generated tokens arrive
+  together; their KV demand (16 x 4 blocks) is four times the cache, so vLLM
+  preempts and the waiting queue grows (docs/real-vllm.md, "Making KV
+  pressure visible").
+
+``--calibrate`` instead measures the step-time constants of the tiny model
+(fixed overhead per step, time per prefill token, time per decoding sequence)
+that the simulator's ``tiny-cpu`` profile uses.
+
+CLI: ``python -P -m misat_sim.fidelity --base-url URL --trace NAME --json OUT``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+from pydantic import BaseModel, ConfigDict, Field
+
+FIRST_TOKEN_ID: int = 3
+"""Prompt ids start here: 0..2 are the tiny model's special tokens."""
+VOCAB_SIZE: int = 2048
+"""Prompt ids stay below this (the tiny model's vocabulary)."""
+DEFAULT_POLL_INTERVAL_S: float = 0.25
+"""How often ``/metrics`` is scraped during a run; fast enough to see the
+waiting queue move on the tiny model (docs/real-vllm.md)."""
+REQUEST_TIMEOUT_S: float = 300.0
+"""Bound on one completion request; a stuck server fails the run, never hangs it."""
+SETTLE_TIMEOUT_S: float = 10.0
+"""Bound on waiting for the server's counters to account every finished request."""
+
+# vLLM metric names (docs/real-vllm.md); the simulator must expose the same.
+M_WAITING = "vllm:num_requests_waiting"
+M_RUNNING = "vllm:num_requests_running"
+M_KV_USAGE = "vllm:kv_cache_usage_perc"
+M_PREEMPTIONS = "vllm:num_preemptions_total"
+M_PREFIX_QUERIES = "vllm:prefix_cache_queries_total"
+M_PREFIX_HITS = "vllm:prefix_cache_hits_total"
+M_SUCCESS = "vllm:request_success_total"
+M_PROMPT_TOKENS = "vllm:prompt_tokens_total"
+M_GENERATION_TOKENS = "vllm:generation_tokens_total"
+COUNTERS: tuple[str, ...] = (
+    M_PREEMPTIONS, M_PREFIX_QUERIES, M_PREFIX_HITS, M_SUCCESS, M_PROMPT_TOKENS,
+    M_GENERATION_TOKENS,
+)  # fmt: skip
+HISTOGRAMS: tuple[str, ...] = (
+    "vllm:time_to_first_token_seconds",
+    "vllm:e2e_request_latency_seconds",
+    "vllm:request_queue_time_seconds",
+    "vllm:request_prefill_time_seconds",
+    "vllm:request_decode_time_seconds",
+    "vllm:inter_token_latency_seconds",
+)
+"""Latency histograms whose mean over the run is reported (when exposed)."""
+
+
+# ----------------------------------------------------------------------------- data
+
+
+class TraceRequest(BaseModel):
+    """One request of a trace. Sent at ``max(arrival_s, finish(after) + gap_s)``."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    id: str
+    kind: str = Field(description="label only: grpo, session, single")
+    arrival_s: float = Field(ge=0.0, description="earliest send time, seconds from start")
+    prompt: list[int] = Field(min_length=1, description="token ids")
+    max_tokens: int = Field(ge=1)
+    ignore_eos: bool = True
+    after: str | None = Field(default=None, description="id that must finish first")
+    gap_s: float = Field(default=0.0, ge=0.0, description="pause after `after` finishes")
+
+
+class Trace(BaseModel):
+    """A named, seeded list of requests plus the server shape it was designed for."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str
+    description: str
+    seed: int
+    server: dict[str, int] = Field(description="num_gpu_blocks, max_model_len, max_num_seqs")
+    requests: list[TraceRequest]
+
+
+class RequestRecord(BaseModel):
+    """What the client saw for one request (times are seconds from the run's start)."""
+
+    id: str
+    sent_s: float
+    finished_s: float
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    error: str | None = None
+
+
+class FidelityResult(BaseModel):
+    """Figures of one trace replay; the unit of comparison between real and simulated.
+
+    Counter figures are deltas over the run; ``hit_rate`` is
+    ``prefix_cache_hits / prefix_cache_queries`` in tokens, as vLLM counts them
+    (a preempted request that is rescheduled queries the cache again).
+    ``client_hit_rate`` is the same ratio from the responses' ``cached_tokens``.
+    """
+
+    trace: str
+    base_url: str
+    wall_time_s: float
+    requests: int
+    errors: int
+    hit_rate: float | None
+    client_hit_rate: float | None
+    prefix_cache_queries: float
+    prefix_cache_hits: float
+    preemptions: float
+    peak_waiting: float
+    peak_running: float
+    peak_kv_usage: float
+    scrapes: int
+    completion_order: list[str]
+    counters: dict[str, float]
+    latency_means_s: dict[str, float]
+    records: list[RequestRecord]
+
+
+# ----------------------------------------------------------------------------- traces
+
+
+def _ids(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(FIRST_TOKEN_ID, VOCAB_SIZE) for _ in range(n)]
+
+
+def fits_trace(seed: int = 7) -> Trace:
+    """GRPO groups and multi-turn sessions whose working set fits 16 blocks.
+
+    * 2 GRPO groups x 4 samples of one 260-token prompt (two full 128-token
+      blocks shared), 24 tokens each; group 2 arrives 1.5 s after group 1.
+    * 2 sessions x 3 turns; turn k+1's prompt is turn k's prompt, 20 tokens
+      standing in for its answer, and 110 new tokens (140 -> 270 -> 400),
+      sent 0.1 s after turn k finishes; 16 tokens each.
+
+    Samples of a group are 10 ms apart so the arrival order is defined.
+    Expected with vLLM's full-block prefix cache: samples 2-4 of a group hit
+    256 tokens, turn 2 hits 128 and turn 3 hits 256, about 62% overall.
+    """
+    rng = random.Random(seed)
+    reqs: list[TraceRequest] = []
+    for g, start in enumerate((0.0, 1.5)):
+        prompt = _ids(rng, 260)
+        reqs.extend(
+            TraceRequest(
+                id=f"g{g}s{s}",
+                kind="grpo",
+                arrival_s=start + 0.01 * s,
+                prompt=prompt,
+                max_tokens=24,
+            )
+            for s in range(4)
+        )
+    for sess, start in enumerate((0.3, 0.8)):
+        prompt = _ids(rng, 140)
+        prev: str | None = None
+        for turn in range(3):
+            if turn:
+                prompt = prompt + _ids(rng, 130)
+            rid = f"a{sess}t{turn}"
+            reqs.append(
+                TraceRequest(
+                    id=rid,
+                    kind="session",
+                    arrival_s=start,
+                    prompt=list(prompt),
+                    max_tokens=16,
+                    after=prev,
+                    gap_s=0.1 if prev else 0.0,
+                )
+            )
+            prev = rid
+    return Trace(
+        name="fits",
+        description="2 GRPO groups x 4 (260+24) and 2 sessions x 3 turns (140/270/400+16)",
+        seed=seed,
+        server={"num_gpu_blocks": 16, "max_model_len": 1024, "max_num_seqs": 8},
+        requests=sorted(reqs, key=lambda r: (r.arrival_s, r.id)),
+    )
+
+
+def oversubscribed_trace(seed: int = 11) -> Trace:
+    """16 distinct requests of 100 prompt + 400 generated tokens, 10 ms apart.
+
+    Each needs 4 blocks at the end; 8 running need 32 of the 16 blocks, so
+    vLLM must preempt (recompute) and the rest wait.
+    """
+    rng = random.Random(seed)
+    reqs = [
+        TraceRequest(
+            id=f"r{i:02d}",
+            kind="single",
+            arrival_s=0.01 * i,
+            prompt=_ids(rng, 100),
+            max_tokens=400,
+        )
+        for i in range(16)
+    ]
+    return Trace(
+        name="oversubscribed",
+        description="16 x (100 prompt + 400 generated, ignore_eos), all at once",
+        seed=seed,
+        server={"num_gpu_blocks": 16, "max_model_len": 1024, "max_num_seqs": 8},
+        requests=reqs,
+    )
+
+
+TRACES: dict[str, Callable[[], Trace]] = {
+    "fits": fits_trace,
+    "oversubscribed": oversubscribed_trace,
+}
+
+
+# ----------------------------------------------------------------------------- metrics
+
+
+def parse_metrics(text: str, model_name: str | None = None) -> dict[str, float]:
+    """Prometheus text -> {sample name: value summed over label sets}.
+
+    Summing over the ``engine`` label gives the server-wide figure; samples of
+    another ``model_name`` are skipped when one is given. Histogram samples keep
+    their ``_sum`` / ``_count`` suffixes; ``_bucket`` and ``_created`` are dropped.
+    """
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.endswith(("_bucket", "_created")):
+                continue
+            if model_name and sample.labels.get("model_name", model_name) != model_name:
+                continue
+            out[sample.name] = out.get(sample.name, 0.0) + float(sample.value)
+    return out
+
+
+def delta(after: Mapping[str, float], before: Mapping[str, float], name: str) -> float:
+    """Counter increase over the run (0 when the server does not expose it)."""
+    return after.get(name, 0.0) - before.get(name, 0.0)
+
+
+def histogram_means(after: Mapping[str, float], before: Mapping[str, float]) -> dict[str, float]:
+    """Mean of each latency histogram over the run, from ``_sum`` / ``_count`` deltas."""
+    means: dict[str, float] = {}
+    for name in HISTOGRAMS:
+        count = delta(after, before, f"{name}_count")
+        if count > 0:
+            means[name] = delta(after, before, f"{name}_sum") / count
+    return means
+
+
+async def scrape(session: aiohttp.ClientSession, base_url: str) -> dict[str, float]:
+    """One ``/metrics`` scrape, parsed."""
+    async with session.get(f"{base_url}/metrics") as resp:
+        resp.raise_for_status()
+        return parse_metrics(await resp.text())
+
+
+async def model_name(session: aiohttp.ClientSession, base_url: str) -> str:
+    """The first served model id (``/v1/models``)."""
+    async with session.get(f"{base_url}/v1/models") as resp:
+        resp.raise_for_status()
+        return str((await resp.json())["data"][0]["id"])
+
+
+# ----------------------------------------------------------------------------- replay
+
+
+class _Peaks:
+    """Running maxima of the gauges, updated by the poller."""
+
+    def __init__(self) -> None:
+        self.waiting = 0.0
+        self.running = 0.0
+        self.kv_usage = 0.0
+        self.scrapes = 0
+
+    def update(self, metrics: Mapping[str, float]) -> None:
+        self.waiting = max(self.waiting, metrics.get(M_WAITING, 0.0))
+        self.running = max(self.running, metrics.get(M_RUNNING, 0.0))
+        self.kv_usage = max(self.kv_usage, metrics.get(M_KV_USAGE, 0.0))
+        self.scrapes += 1
+
+
+async def _poll(
+    session: aiohttp.ClientSession,
+    base_url: str,
+    peaks: _Peaks,
+    stop: asyncio.Event,
+    interval_s: float,
+) -> None:
+    while not stop.is_set():
+        # A missed scrape only coarsens the peaks.
+        with contextlib.suppress(aiohttp.ClientError):
+            peaks.update(await scrape(session, base_url))
+        # The poll cadence, not a synchronisation: wakes early when the run ends.
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), timeout=interval_s)
+
+
+async def complete(
+    session: aiohttp.ClientSession,
+    base_url: str,
+    model: str,
+    prompt: list[int],
+    max_tokens: int,
+    ignore_eos: bool = True,
+) -> dict[str, object]:
+    """POST one token-id completion (greedy) and return the decoded JSON body."""
+    body = {
+        "model": model, "prompt": prompt, "max_tokens": max_tokens,
+        "ignore_eos": ignore_eos, "temperature": 0.0, "stream": False,
+    }  # fmt: skip
+    async with session.post(f"{base_url}/v1/completions", json=body) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status}: {(await resp.text())[:300]}")
+        return dict(await resp.json())
+
+
+async def run_trace(
+    base_url: str,
+    trace: Trace,
+    poll_interval_s: float = DEFAULT_POLL_INTERVAL_S,
+    model: str | None = None,
+) -> FidelityResult:
+    """Replay ``trace`` against ``base_url`` and measure it (see module docstring)."""
+    base_url = base_url.rstrip("/").removesuffix("/v1")
+    timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        model = model or await model_name(session, base_url)
+        before = await scrape(session, base_url)
+        done = {r.id: asyncio.Event() for r in trace.requests}
+        finish_time: dict[str, float] = {}
+        records: dict[str, RequestRecord] = {}
+        order: list[str] = []
+        peaks, stop = _Peaks(), asyncio.Event()
+        t0 = time.monotonic()
+
+        async def one(req: TraceRequest) -> None:
+            # The trace's own schedule (arrival offsets, session gaps).
+            await asyncio.sleep(max(0.0, req.arrival_s - (time.monotonic() - t0)))
+            if req.after is not None:
+                await done[req.after].wait()
+                ready = finish_time[req.after] + req.gap_s
+                await asyncio.sleep(max(0.0, ready - (time.monotonic() - t0)))
+            sent = time.monotonic() - t0
+            try:
+                body = await complete(
+                    session, base_url, model, req.prompt, req.max_tokens, req.ignore_eos
+                )
+                usage = body.get("usage") or {}
+                assert isinstance(usage, dict)
+                details = usage.get("prompt_tokens_details") or {}
+                rec = RequestRecord(
+                    id=req.id,
+                    sent_s=sent,
+                    finished_s=time.monotonic() - t0,
+                    prompt_tokens=int(usage.get("prompt_tokens", 0)),
+                    cached_tokens=int(details.get("cached_tokens") or 0),
+                    completion_tokens=int(usage.get("completion_tokens", 0)),
+                )
+            except (aiohttp.ClientError, RuntimeError, TimeoutError) as exc:
+                rec = RequestRecord(
+                    id=req.id, sent_s=sent, finished_s=time.monotonic() - t0, error=str(exc)
+                )
+            records[req.id] = rec
+            finish_time[req.id] = rec.finished_s
+            order.append(req.id)
+            done[req.id].set()
+
+        poller = asyncio.create_task(_poll(session, base_url, peaks, stop, poll_interval_s))
+        try:
+            await asyncio.gather(*(one(r) for r in trace.requests))
+        finally:
+            stop.set()
+            await poller
+        wall = time.monotonic() - t0
+        after = await _settled_scrape(session, base_url, before, len(trace.requests))
+        peaks.update(after)
+
+    queries = delta(after, before, M_PREFIX_QUERIES)
+    hits = delta(after, before, M_PREFIX_HITS)
+    ok = [r for r in records.values() if r.error is None]
+    prompt_total = sum(r.prompt_tokens for r in ok)
+    return FidelityResult(
+        trace=trace.name,
+        base_url=base_url,
+        wall_time_s=round(wall, 4),
+        requests=len(trace.requests),
+        errors=len(trace.requests) - len(ok),
+        hit_rate=hits / queries if queries else None,
+        client_hit_rate=(sum(r.cached_tokens for r in ok) / prompt_total) if prompt_total else None,
+        prefix_cache_queries=queries,
+        prefix_cache_hits=hits,
+        preemptions=delta(after, before, M_PREEMPTIONS),
+        peak_waiting=peaks.waiting,
+        peak_running=peaks.running,
+        peak_kv_usage=peaks.kv_usage,
+        scrapes=peaks.scrapes,
+        completion_order=order,
+        counters={name: delta(after, before, name) for name in COUNTERS},
+        latency_means_s=histogram_means(after, before),
+        records=[records[r.id] for r in trace.requests],
+    )
+
+
+async def _settled_scrape(
+    session: aiohttp.ClientSession, base_url: str, before: Mapping[str, float], expected: int
+) -> dict[str, float]:
+    """Scrape until the success counter accounts for every request (bounded).
+
+    vLLM updates its Prometheus counters from the output loop, which can trail
+    the last HTTP response by a moment; reading too early undercounts.
+    """
+    deadline = time.monotonic() + SETTLE_TIMEOUT_S
+    while True:
+        after = await scrape(session, base_url)
+        if delta(after, before, M_SUCCESS) >= expected or M_SUCCESS not in after:
+            return after
+        if time.monotonic() >= deadline:
+            return after
+        await asyncio.sleep(0.05)
+
+
+# ----------------------------------------------------------------------------- calibration
+
+
+class Calibration(BaseModel):
+    """Step-time constants fitted from a real server (seconds).
+
+    Model: one engine step that prefills ``P`` tokens and decodes ``D``
+    sequences takes ``step_fixed_s + P * prefill_token_s + D * decode_seq_s``.
+    ``http_overhead_s`` is the client-observed rest (API server, detokenizer,
+    HTTP) of a one-token request, not part of a step.
+    """
+
+    step_fixed_s: float
+    decode_seq_s: float
+    prefill_token_s: float
+    http_overhead_s: float
+    decode_points: dict[int, float] = Field(description="batch size -> step seconds")
+    prefill_points: dict[int, float] = Field(description="prompt tokens -> request seconds")
+
+
+def _fit_line(points: Mapping[int, float]) -> tuple[float, float]:
+    """Least-squares intercept and slope of y over x."""
+    xs, ys = list(points), list(points.values())
+    slope, intercept = statistics.linear_regression(xs, ys)
+    return intercept, slope
+
+
+async def calibrate(
+    base_url: str,
+    seed: int = 3,
+    batches: tuple[int, ...] = (1, 2, 4, 8),
+    prompt_lens: tuple[int, ...] = (64, 256, 512, 768, 960),
+    decode_tokens: int = 128,
+    repeats: int = 3,
+) -> Calibration:
+    """Measure decode step time per batch size and prefill time per prompt length.
+
+    Decode: ``b`` concurrent requests with 16-token prompts; the step time at
+    batch ``b`` is ``(latency(1 + decode_tokens) - latency(1)) / decode_tokens``
+    (the difference cancels the prefill and HTTP costs). Prefill: one request
+    at a time with a fresh random prompt of ``L`` tokens and ``max_tokens=1``
+    (one step that prefills ``L`` tokens). Medians over ``repeats``. Needs an
+    idle server; prompts are random so the prefix cache never hits.
+    """
+    base_url = base_url.rstrip("/").removesuffix("/v1")
+    rng = random.Random(seed)
+    timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        model = await model_name(session, base_url)
+
+        async def batch_latency(b: int, max_tokens: int, prompt_len: int) -> float:
+            prompts = [_ids(rng, prompt_len) for _ in range(b)]
+            t = time.monotonic()
+            await asyncio.gather(
+                *(complete(session, base_url, model, p, max_tokens) for p in prompts)
+            )
+            return time.monotonic() - t
+
+        await batch_latency(2, 8, 32)  # warm-up
+        decode: dict[int, float] = {}
+        for b in batches:
+            samples = []
+            for _ in range(repeats):
+                long = await batch_latency(b, 1 + decode_tokens, 16)
+                short = await batch_latency(b, 1, 16)
+                samples.append((long - short) / decode_tokens)
+            decode[b] = statistics.median(samples)
+        prefill: dict[int, float] = {}
+        for n in prompt_lens:
+            prefill[n] = statistics.median([await batch_latency(1, 1, n) for _ in range(repeats)])
+    fixed, per_seq = _fit_line(decode)
+    intercept, per_token = _fit_line(prefill)
+    return Calibration(
+        step_fixed_s=fixed,
+        decode_seq_s=per_seq,
+        prefill_token_s=per_token,
+        http_overhead_s=intercept - fixed,
+        decode_points=decode,
+        prefill_points=prefill,
+    )
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI: replay a named trace (or ``--calibrate``) and print / save the JSON result."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8100")
+    parser.add_argument("--trace", choices=sorted(TRACES), default="fits")
+    parser.add_argument("--json", type=Path, help="write the result here")
+    parser.add_argument("--poll-interval", type=float, default=DEFAULT_POLL_INTERVAL_S)
+    parser.add_argument("--calibrate", action="store_true", help="measure step-time constants")
+    args = parser.parse_args(argv)
+    result: BaseModel
+    if args.calibrate:
+        result = asyncio.run(calibrate(args.base_url))
+    else:
+        result = asyncio.run(run_trace(args.base_url, TRACES[args.trace](), args.poll_interval))
+    text = result.model_dump_json(indent=2)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(text + "\n")
+    summary = result.model_dump(exclude={"records", "counters"})
+    print(json.dumps(summary, indent=2, default=str))
+    return 1 if isinstance(result, FidelityResult) and result.errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
