@@ -140,6 +140,7 @@ class FidelityResult(BaseModel):
 
     trace: str
     base_url: str
+    cache_reset: bool = Field(description="prefix cache emptied before the run")
     wall_time_s: float
     requests: int
     errors: int
@@ -169,12 +170,14 @@ def fits_trace(seed: int = 7) -> Trace:
     """GRPO groups and multi-turn sessions whose working set fits 16 blocks.
 
     * 2 GRPO groups x 4 samples of one 260-token prompt (two full 128-token
-      blocks shared), 24 tokens each; group 2 arrives 1.5 s after group 1.
+      blocks shared), 100 tokens each; group 2 arrives 1.5 s after group 1.
     * 2 sessions x 3 turns; turn k+1's prompt is turn k's prompt, 20 tokens
       standing in for its answer, and 110 new tokens (140 -> 270 -> 400),
-      sent 0.1 s after turn k finishes; 16 tokens each.
+      sent 0.1 s after turn k finishes; 64 tokens each.
 
-    Samples of a group are 10 ms apart so the arrival order is defined.
+    Samples of a group are 10 ms apart so the arrival order is defined. If
+    everything overlapped, the KV demand would be 6 blocks per group (2 shared
+    + 4 x 1) and 4 per session turn, 14 of the 16 blocks.
     Expected with vLLM's full-block prefix cache: samples 2-4 of a group hit
     256 tokens, turn 2 hits 128 and turn 3 hits 256, about 62% overall.
     """
@@ -188,7 +191,7 @@ def fits_trace(seed: int = 7) -> Trace:
                 kind="grpo",
                 arrival_s=start + 0.01 * s,
                 prompt=prompt,
-                max_tokens=24,
+                max_tokens=100,
             )
             for s in range(4)
         )
@@ -205,7 +208,7 @@ def fits_trace(seed: int = 7) -> Trace:
                     kind="session",
                     arrival_s=start,
                     prompt=list(prompt),
-                    max_tokens=16,
+                    max_tokens=64,
                     after=prev,
                     gap_s=0.1 if prev else 0.0,
                 )
@@ -213,7 +216,7 @@ def fits_trace(seed: int = 7) -> Trace:
             prev = rid
     return Trace(
         name="fits",
-        description="2 GRPO groups x 4 (260+24) and 2 sessions x 3 turns (140/270/400+16)",
+        description="2 GRPO groups x 4 (260+100) and 2 sessions x 3 turns (140/270/400+64)",
         seed=seed,
         server={"num_gpu_blocks": 16, "max_model_len": 1024, "max_num_seqs": 8},
         requests=sorted(reqs, key=lambda r: (r.arrival_s, r.id)),
@@ -295,6 +298,16 @@ async def scrape(session: aiohttp.ClientSession, base_url: str) -> dict[str, flo
         return parse_metrics(await resp.text())
 
 
+async def reset_prefix_cache(session: aiohttp.ClientSession, base_url: str) -> bool:
+    """Empty the server's prefix cache; False when the server lacks the endpoint.
+
+    Without it a second replay of a seeded trace hits the blocks of the first
+    (vLLM registers the endpoint only with ``VLLM_SERVER_DEV_MODE=1``).
+    """
+    async with session.post(f"{base_url}/reset_prefix_cache") as resp:
+        return resp.status == 200
+
+
 async def model_name(session: aiohttp.ClientSession, base_url: str) -> str:
     """The first served model id (``/v1/models``)."""
     async with session.get(f"{base_url}/v1/models") as resp:
@@ -368,6 +381,7 @@ async def run_trace(
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         model = model or await model_name(session, base_url)
+        cache_reset = await reset_prefix_cache(session, base_url)
         before = await scrape(session, base_url)
         done = {r.id: asyncio.Event() for r in trace.requests}
         finish_time: dict[str, float] = {}
@@ -425,6 +439,7 @@ async def run_trace(
     return FidelityResult(
         trace=trace.name,
         base_url=base_url,
+        cache_reset=cache_reset,
         wall_time_s=round(wall, 4),
         requests=len(trace.requests),
         errors=len(trace.requests) - len(ok),

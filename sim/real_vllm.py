@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -65,6 +66,16 @@ class VllmServerSpec(BaseModel):
     max_model_len: int = Field(default=1024, ge=16)
     max_num_seqs: int = Field(default=8, ge=1)
     enable_prefix_caching: bool = True
+    cpu_memory_utilization: float = Field(
+        default=0.15,
+        gt=0.0,
+        le=1.0,
+        description=(
+            "--gpu-memory-utilization, which on CPU is the share of NUMA node 0's memory "
+            "that vLLM requires free at start-up; the default 0.92 fails on a shared "
+            "machine, and with a fixed block count the tiny model needs little"
+        ),
+    )
     extra_args: tuple[str, ...] = ()
 
     @model_validator(mode="after")
@@ -101,10 +112,9 @@ def server_command(spec: VllmServerSpec, python: str = sys.executable) -> list[s
         "--enable-prompt-tokens-details",
         "--enable-server-load-tracking",
         "--dtype", "bfloat16",
+        "--gpu-memory-utilization", str(spec.cpu_memory_utilization),
     ]  # fmt: skip
-    cmd.append(
-        "--enable-prefix-caching" if spec.enable_prefix_caching else "--no-enable-prefix-caching"
-    )
+    cmd.append("--enable-prefix-caching" if spec.enable_prefix_caching else "--no-enable-prefix-caching")
     cmd.extend(spec.extra_args)
     return cmd
 
@@ -126,6 +136,9 @@ def server_env(
         VLLM_DO_NOT_TRACK="1",
         VLLM_CACHE_ROOT=str(cache_root),
         VLLM_CPU_OMP_THREADS_BIND=str(spec.core),
+        # Registers POST /reset_prefix_cache, which the fidelity harness calls so
+        # that a replay never hits blocks left by an earlier run. Loopback only.
+        VLLM_SERVER_DEV_MODE="1",
         PYTHONUNBUFFERED="1",
     )
     return env
@@ -157,12 +170,15 @@ class RunningServer:
         """Process id of the API server (also its process-group id)."""
         return self.process.pid
 
-    def log_tail(self, max_chars: int = 4000) -> str:
-        """End of the server's log, for error messages."""
+    def log_tail(self, max_chars: int = 3000, max_error_lines: int = 15) -> str:
+        """The log's ERROR lines (the root cause sits above the final traceback)
+        plus its end, with the path to the whole log, for error messages."""
         try:
-            return self.log_path.read_text(errors="replace")[-max_chars:]
+            text = self.log_path.read_text(errors="replace")
         except OSError:
-            return "<no log>"
+            return f"<no log at {self.log_path}>"
+        errors = [line for line in text.splitlines() if " ERROR " in line][-max_error_lines:]
+        return "\n".join([f"log: {self.log_path}", "ERROR lines:", *errors, "log tail:", text[-max_chars:]])
 
 
 class ServerStartError(RuntimeError):
@@ -195,9 +211,7 @@ def start_server(
     return RunningServer(spec=spec, process=process, log_path=log_path, workdir=workdir)
 
 
-def wait_healthy(
-    servers: Sequence[RunningServer], timeout_s: float = DEFAULT_START_TIMEOUT_S
-) -> None:
+def wait_healthy(servers: Sequence[RunningServer], timeout_s: float = DEFAULT_START_TIMEOUT_S) -> None:
     """Poll every server's ``/health`` until all answer 200, within one deadline.
 
     Fails fast with the log tail when a server process exits during start-up.
@@ -274,14 +288,20 @@ def real_vllm_servers(
 ) -> Iterator[list[RunningServer]]:
     """Start all ``specs`` together, wait until healthy, yield them, always stop them."""
     started: list[RunningServer] = []
+    failed = True
     try:
         for spec in specs:
             started.append(start_server(spec, python))
         wait_healthy(started, start_timeout_s)
         yield started
+        failed = False
     finally:
         for server in started:
             stop_server(server)
+        # Logs are kept (their paths are in the error) when anything failed.
+        if not failed:
+            for server in started:
+                shutil.rmtree(server.workdir, ignore_errors=True)
 
 
 def default_specs(model_dir: Path, count: int = 2, **overrides: object) -> list[VllmServerSpec]:
@@ -296,7 +316,10 @@ def default_specs(model_dir: Path, count: int = 2, **overrides: object) -> list[
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one server in the foreground until Ctrl-C (for manual fidelity runs)."""
+    """Run one server in the foreground until Ctrl-C or SIGTERM (for manual fidelity runs).
+
+    ``python -P -m misat_sim.real_vllm --port 8100 --core 0`` from the e2e venv.
+    """
     import argparse
 
     parser = argparse.ArgumentParser(description="Run one real vLLM CPU server (tiny model).")
@@ -316,6 +339,8 @@ def main(argv: list[str] | None = None) -> int:
         max_num_seqs=args.max_num_seqs,
     )
     print(" ".join(server_command(spec)), flush=True)
+    # SIGTERM to this wrapper must still run the context manager's cleanup.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     with real_vllm_servers([spec]) as servers:
         print(f"ready: {servers[0].base_url} (pid {servers[0].pid})", flush=True)
         with contextlib.suppress(KeyboardInterrupt):

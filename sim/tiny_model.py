@@ -98,7 +98,7 @@ def build_model(outdir: Path, seed: int = DEFAULT_SEED) -> None:
         tie_word_embeddings=False,
     )
     model = LlamaForCausalLM(config).to(torch.bfloat16)
-    model.config.torch_dtype = torch.bfloat16
+    model.config.dtype = torch.bfloat16
     model.save_pretrained(str(outdir), safe_serialization=True)
 
 

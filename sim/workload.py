@@ -25,7 +25,7 @@ import math
 import random
 from enum import StrEnum
 from statistics import NormalDist
-from typing import Literal
+from typing import Any, Literal
 
 from misat_sim.scale import DEFAULT_LENGTH_SCALE
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -245,6 +245,10 @@ class WorkloadSpec(BaseModel):
     max_context_tokens: int = Field(default=MAX_CONTEXT_TOKENS, gt=1)
     """Full scale; scaled with everything else (139,264 / 16 = 8,704)."""
     group_size: dict[RolloutClass, int] = Field(default_factory=lambda: dict(DEFAULT_GROUP_SIZE))
+    prompt_scale: float | None = Field(default=None, gt=0, le=1)
+    """Scale of RLVR/RLHF prompt lengths; None: ``length_scale``. At 1/16 a GRPO prompt
+    is ~10 tokens, under one KV block, so group prefix sharing vanishes (a weak spot of
+    the reference model in misa-t.md); 1.0 keeps it visible at a small KV cost."""
     shapes: TraceShapes = TraceShapes()
     agentic: AgenticShape = AgenticShape()
     session_prefix: str | None = None
@@ -301,7 +305,7 @@ def length_drift_spec(
     span: float,
     growth: float = 2.5,
     classes: tuple[RolloutClass, ...] = (RolloutClass.RLVR, RolloutClass.RLHF),
-    **fields: object,
+    **fields: Any,
 ) -> WorkloadSpec:
     """"length-drift": outputs of ``classes`` grow linearly 1x -> ``growth``x over ``span``.
 
@@ -312,7 +316,7 @@ def length_drift_spec(
 
 
 def mix_shift_spec(
-    at: float, mixture: dict[RolloutClass, float], **fields: object
+    at: float, mixture: dict[RolloutClass, float], **fields: Any
 ) -> WorkloadSpec:
     """"mix-shift": the default mixture until ``at``, then ``mixture``."""
     return WorkloadSpec(mixture_changes=(MixtureChange(at=at, mixture=mixture),), **fields)
@@ -403,7 +407,8 @@ def plan_group(
         raise ValueError("agentic sessions are trajectories: use plan_agentic")
     rng = random.Random(f"{spec.seed}:{klass.value}:{index}")
     max_ctx = spec.scaled_max_context
-    prompt_len = min(_scaled(spec.shapes.input(klass).sample(rng), spec.length_scale), max_ctx - 1)
+    prompt_scale = spec.length_scale if spec.prompt_scale is None else spec.prompt_scale
+    prompt_len = min(_scaled(spec.shapes.input(klass).sample(rng), prompt_scale), max_ctx - 1)
     mult = spec.output_multiplier(klass, at)
     group_id = f"{spec.prefix}-{klass.value}-g{index}"
     key = f"{spec.seed}:{klass.value}:{index}:prompt"

@@ -59,6 +59,5 @@ def allocate(
 
 def class_session_cap(budget_tokens: float, footprint_tokens: float) -> int:
     """``K_b = max(1, floor(M_b / k_b))``: at least one session of every class may run."""
-    if footprint_tokens <= 0:
-        return 1
-    return max(1, math.floor(budget_tokens / footprint_tokens))
+    # A session holds at least one token; smaller estimates are noise.
+    return max(1, math.floor(budget_tokens / max(footprint_tokens, 1.0)))

@@ -45,8 +45,9 @@ min/max load include unhealthy engines in the snapshot. Where it differs from
 the Rust source: only healthy engines are matched (the Rust policy matches all,
 and when the winner is unhealthy drops it from the tree and falls back to the
 first healthy worker without inserting, a mutation ``decide`` may not make);
-the Rust tree matches characters of the request text, also for token-id
-prompts, where this one matches token ids.
+the Rust tree is keyed on the characters of the request's routing text ("raw
+text characters instead of token IDs"), where this one keys token-id prompts
+on their ids, as misa-t.md specifies.
 """
 
 from __future__ import annotations

@@ -60,6 +60,18 @@ class ConcurrencyLimited(Policy):
     def on_session_end(self, session_key: str, now: float) -> None:
         self.inner.on_session_end(session_key, now)
 
+    def on_hold(self, req: RequestMeta, now: float) -> None:
+        self.inner.on_hold(req, now)
+
+    def on_unhold(self, req: RequestMeta, now: float) -> None:
+        self.inner.on_unhold(req, now)
+
+    def on_prefix_cache_reset(self, now: float) -> None:
+        self.inner.on_prefix_cache_reset(now)
+
+    def set_mix(self, mix: WorkloadMix) -> None:
+        self.inner.set_mix(mix)
+
     def on_metrics(self, engines: Engines, now: float) -> None:
         self.inner.on_metrics(engines, now)
 

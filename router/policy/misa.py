@@ -143,28 +143,34 @@ class MisaPolicy(Policy):
             return cap
         return max(self.settings.admission.min_sessions_per_engine, math.floor(cap * guard.factor))
 
-    def class_budgets(
-        self, engine_id: str, snap: EngineSnapshot, demand: dict[str, float], n_engines: int
-    ) -> dict[str, float]:
-        """M_{w,b} in KV tokens for every class on one engine."""
-        per_class = self.engine_class_sessions.get(engine_id, {})
-        held_share = 1.0 / max(1, n_engines)
-        weights: dict[str, float] = {}
+    def class_weights(self, demand: dict[str, float]) -> dict[str, tuple[float, float]]:
+        """Per class: (held sessions, demand weight of one session: k_b * T_b, or k_b for MISA)."""
+        out = {}
         for b, total in demand.items():
-            live_here = per_class.get(b, 0)
-            held_b = total - self.class_sessions.get(b, 0)
-            n_wb = live_here + held_b * held_share
-            w = n_wb * self.footprint_of(b)
+            w = self.footprint_of(b)
             if self.residency_on:
                 w *= self.residency_of(b)
-            weights[b] = w
+            out[b] = (total - self.class_sessions.get(b, 0), w)
+        return out
+
+    def class_budgets(
+        self, engine_id: str, snap: EngineSnapshot, weights: dict[str, tuple[float, float]], n_engines: int
+    ) -> dict[str, float]:
+        """M_{w,b} in KV tokens for every class on one engine.
+
+        ``R_{w,b} = N_{w,b} * k_b (* T_b)``, where ``N_{w,b}`` is the class's live
+        sessions on the engine plus an even share of its held sessions.
+        """
+        per_class = self.engine_class_sessions.get(engine_id, {})
+        held_share = 1.0 / max(1, n_engines)
+        r = {b: (per_class.get(b, 0) + held * held_share) * w for b, (held, w) in weights.items()}
         capacity = snap.kv_capacity_tokens * self.settings.kv_budget_fraction
         if not self._min_share and not self._max_share:
-            total_w = sum(weights.values())
-            if total_w <= 0:
-                return dict.fromkeys(weights, 0.0)
-            return {b: capacity * w / total_w for b, w in weights.items()}
-        return allocate(capacity, weights, self._min_share, self._max_share)
+            total_r = sum(r.values())
+            if total_r <= 0:
+                return dict.fromkeys(r, 0.0)
+            return {b: capacity * x / total_r for b, x in r.items()}
+        return allocate(capacity, r, self._min_share, self._max_share)
 
     def occupancy(self, engine_id: str, snap: EngineSnapshot) -> int:
         """Sessions on the engine: ours, plus reported load that is not ours."""
@@ -214,11 +220,16 @@ class MisaPolicy(Policy):
         keys = self._keys(req)
         hits = self.index.match(keys, candidates)
         length = self._prompt_len(req)
+        p = self.settings.placement
+        per_wait, per_flight, rate = p.delay_per_waiting_s, p.delay_per_inflight_s, p.prefill_tokens_per_s
+        load = self.load.get
         best, best_cost, best_hit = candidates[0], math.inf, 0.0
         for w in candidates:
-            c = self._cost(w, engines[w], length - hits[w])
+            # Inline _cost (hot loop).
+            hit = hits[w]
+            c = engines[w].num_waiting * per_wait + load(w) * per_flight + max(0.0, length - hit) / rate
             if c < best_cost:
-                best, best_cost, best_hit = w, c, hits[w]
+                best, best_cost, best_hit = w, c, hit
         return best, best_cost, best_hit
 
     def decide(self, req: RequestMeta, engines: Engines, now: float) -> Decision:
@@ -240,16 +251,51 @@ class MisaPolicy(Policy):
         k_b = self.footprint_of(cls)
         reason = Reason.HOLD_SESSION_CAP
         admissible: list[str] = []
+        if self.budgets_on:
+            weights = self.class_weights(demand)
+            fast_budgets = not self._min_share and not self._max_share
+            held_share = 1.0 / len(healthy)
+            held_r = sum(held * w for held, w in weights.values()) * held_share
+            w_cls = weights[cls][1]
+            held_cls = weights[cls][0] * held_share
+        # The loop below inlines session_cap / new_session_cap / occupancy / class caps: it
+        # runs once per healthy engine for every new session, and call overhead dominated it.
+        adm = self.settings.admission
+        budget_fraction = self.settings.kv_budget_fraction
+        min_cap, max_cap = adm.min_sessions_per_engine, adm.max_sessions_per_engine
+        guards, engine_sessions = self.guards, self.engine_sessions
+        per_engine_class = self.engine_class_sessions
+        budgets_on = self.budgets_on
+        k_b_floor = max(k_b, 1.0)
         for w in healthy:
             snap = engines[w]
-            if self.occupancy(w, snap) >= self.new_session_cap(w, snap, k_ref):
+            capacity = snap.kv_capacity_tokens
+            if capacity > 0:
+                cap = max(min_cap, min(max_cap, int(capacity * budget_fraction / k_ref)))
+            else:
+                cap = max_cap
+            guard = guards.get(w)
+            if guard is not None and guard.factor < 1.0:
+                cap = max(min_cap, int(cap * guard.factor))
+            ours = engine_sessions.get(w, 0)
+            occupied = ours if snap.num_running + snap.num_waiting <= 0 else self.occupancy(w, snap)
+            if occupied >= cap:
                 continue
-            if self.budgets_on:
-                budget = self.class_budgets(w, snap, demand, len(healthy))[cls]
-                if snap.kv_capacity_tokens > 0 and (
-                    self.engine_class_sessions.get(w, {}).get(cls, 0)
-                    >= class_session_cap(budget, k_b)
-                ):
+            if budgets_on and capacity > 0:
+                per = per_engine_class.get(w)
+                live_cls = per.get(cls, 0) if per else 0
+                if fast_budgets:
+                    # M_{w,b} for this class only: C * R_b / sum R, without building the dict.
+                    total_r = held_r
+                    if per:
+                        for b, n in per.items():
+                            if n:
+                                total_r += n * weights[b][1]
+                    mine = (live_cls + held_cls) * w_cls
+                    budget = capacity * budget_fraction * mine / total_r if total_r > 0 else 0.0
+                else:
+                    budget = self.class_budgets(w, snap, weights, len(healthy))[cls]
+                if live_cls >= max(1, int(budget / k_b_floor)):
                     reason = Reason.HOLD_CLASS_CAP
                     continue
             admissible.append(w)
@@ -368,7 +414,8 @@ class MisaPolicy(Policy):
             guard = self.guards.get(w)
             per = self.engine_class_sessions.get(w, {})
             budgets = (
-                self.class_budgets(w, snap, demand, len(healthy)) if self.budgets_on else {}
+                self.class_budgets(w, snap, self.class_weights(demand), len(healthy))
+                if self.budgets_on else {}
             )
             engines[w] = {
                 "healthy": snap.healthy,

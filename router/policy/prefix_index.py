@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from array import array
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 
 from .settings import PrefixIndexSettings
 from .types import RequestMeta
@@ -31,52 +31,89 @@ _TOKEN_CHAIN_SEED = 0x6D697361
 _TEXT_CHAIN_SEED = 0x74657874
 
 
+_CHAIN_MULTIPLIER = 0x100000001B3
+_KEY_MASK = (1 << 64) - 1
+
+
+_BATCH = 32
+"""Keys computed per extension of a lazy chain (amortises the loop set-up)."""
+
+
 class PromptKeys:
-    """The chained keys of one prompt and how many tokens each key stands for."""
+    """The chained keys of one prompt, computed lazily, and how many tokens each stands for.
 
-    __slots__ = ("keys", "tokens_per_key")
+    Matching usually stops at the first block no engine holds, so a decision
+    hashes only the matched part of a long prompt; the rest is hashed when
+    (and if) the prompt is inserted after placement. Key ``i`` depends on
+    every block before it (``parent * M ^ hash(block)``), so equal blocks under
+    different prefixes get different keys, as vLLM's chained block hashes do.
+    """
 
-    def __init__(self, keys: tuple[int, ...], tokens_per_key: float) -> None:
-        self.keys = keys
+    __slots__ = ("_computed", "_count", "_source", "_step", "tokens_per_key")
+
+    def __init__(self, source: bytes | str, step: int, count: int, seed: int, tokens_per_key: float) -> None:
+        self._source = source
+        self._step = step
+        self._count = count
+        self._computed: list[int] = [seed]  # index 0 is the chain seed, not a key
         self.tokens_per_key = tokens_per_key
+
+    def __len__(self) -> int:
+        return self._count
+
+    def _extend(self, upto: int) -> None:
+        computed, src, step = self._computed, self._source, self._step
+        parent = computed[-1]
+        append = computed.append
+        first = len(computed) - 1
+        for start in range(first * step, min(upto, self._count) * step, step):
+            parent = ((parent * _CHAIN_MULTIPLIER) ^ hash(src[start : start + step])) & _KEY_MASK
+            append(parent)
+
+    def __iter__(self) -> Iterator[int]:
+        i = 1
+        computed = self._computed
+        while i <= self._count:
+            if i >= len(computed):
+                self._extend(i - 1 + _BATCH)
+            yield computed[i]
+            i += 1
+
+    @property
+    def keys(self) -> tuple[int, ...]:
+        """Every key (computes the whole chain)."""
+        self._extend(self._count)
+        return tuple(self._computed[1:])
+
+
+def token_keys(token_ids: tuple[int, ...], block_size: int) -> PromptKeys:
+    """Lazy chained keys of the full blocks of ``token_ids`` (a partial last block has no key)."""
+    n_full = len(token_ids) // block_size
+    # Hashing bytes slices is several times faster than hashing int tuples.
+    try:
+        packed = array("q", token_ids[: n_full * block_size])
+    except OverflowError:  # ids beyond 64 bits cannot be real tokens; key their text instead
+        return text_keys(" ".join(map(str, token_ids)), block_size * 8, float(block_size) / 8)
+    return PromptKeys(packed.tobytes(), block_size * packed.itemsize, n_full, _TOKEN_CHAIN_SEED,
+                      float(block_size))
+
+
+def text_keys(text: str, chunk_chars: int, tokens_per_key: float) -> PromptKeys:
+    """Lazy chained keys of the full ``chunk_chars``-character chunks of ``text``."""
+    return PromptKeys(text, chunk_chars, len(text) // chunk_chars, _TEXT_CHAIN_SEED, tokens_per_key)
 
 
 def token_block_keys(token_ids: tuple[int, ...], block_size: int) -> tuple[int, ...]:
-    """Chained keys of the full blocks of ``token_ids`` (a partial last block has no key)."""
-    n_full = len(token_ids) // block_size
-    if n_full == 0:
-        return ()
-    # Hashing bytes slices is several times faster than hashing int tuples.
-    packed = array("q", token_ids[: n_full * block_size])
-    raw = packed.tobytes()
-    step = block_size * packed.itemsize
-    keys = []
-    parent = _TOKEN_CHAIN_SEED
-    for start in range(0, n_full * step, step):
-        parent = hash((parent, raw[start : start + step]))
-        keys.append(parent)
-    return tuple(keys)
-
-
-def text_chunk_keys(text: str, chunk_chars: int) -> tuple[int, ...]:
-    """Chained keys of the full ``chunk_chars``-character chunks of ``text``."""
-    keys = []
-    parent = _TEXT_CHAIN_SEED
-    for start in range(0, (len(text) // chunk_chars) * chunk_chars, chunk_chars):
-        parent = hash((parent, text[start : start + chunk_chars]))
-        keys.append(parent)
-    return tuple(keys)
+    """All chained keys of the full blocks of ``token_ids``."""
+    return token_keys(token_ids, block_size).keys
 
 
 def prompt_keys(req: RequestMeta, settings: PrefixIndexSettings) -> PromptKeys:
     """Keys of a request's prompt: token blocks when ids are known, else text chunks."""
     if req.prompt_token_ids is not None:
-        return PromptKeys(token_block_keys(req.prompt_token_ids, settings.block_size),
-                          float(settings.block_size))
-    if req.prompt_text:
-        return PromptKeys(text_chunk_keys(req.prompt_text, settings.text_chunk_chars),
-                          settings.text_chunk_chars / settings.chars_per_token)
-    return PromptKeys((), 0.0)
+        return token_keys(req.prompt_token_ids, settings.block_size)
+    return text_keys(req.prompt_text or "", settings.text_chunk_chars,
+                     settings.text_chunk_chars / settings.chars_per_token)
 
 
 class PrefixIndex:
@@ -109,7 +146,7 @@ class PrefixIndex:
     def match(self, keys: PromptKeys, engine_ids: Iterable[str]) -> dict[str, float]:
         """Expected prefix-hit tokens per engine (0 for engines that match nothing)."""
         result = dict.fromkeys(engine_ids, 0.0)
-        if not keys.keys:
+        if not len(keys):
             return result
         alive = 0
         for e in result:
@@ -118,7 +155,7 @@ class PrefixIndex:
                 alive |= 1 << bit
         owners = self._owners
         depth = 0
-        for key in keys.keys:
+        for key in keys:
             held = owners.get(key, 0) & alive
             dropped = alive & ~held
             if dropped:
@@ -141,7 +178,7 @@ class PrefixIndex:
 
     def insert(self, keys: PromptKeys, engine_id: str) -> None:
         """Record that ``engine_id`` was sent this prompt (its blocks become most recent)."""
-        if not keys.keys:
+        if not len(keys):
             return
         flag = 1 << self._bit_for(engine_id)
         lru = self._lru[engine_id]

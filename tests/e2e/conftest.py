@@ -22,7 +22,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
 from misat_sim.real_vllm import RunningServer, default_specs, real_vllm_servers
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

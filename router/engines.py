@@ -1,0 +1,200 @@
+"""The engine registry: which engines exist, which are healthy, and their latest metrics.
+
+The registry is the one owner of per-engine state. It hands the policy an
+immutable ``Mapping[str, EngineSnapshot]`` (rebuilt only when something
+changed) and tells its owner, through callbacks, when an engine leaves
+rotation (failed health checks, a connection error while proxying, or gone
+from the config/DNS) and when one comes back, so the owner can release the
+policy's accounting (``runner.remove_engine``) and re-check held work.
+
+Engine ids are base URLs without a trailing slash (``http://10.0.0.5:8000``).
+Engines start out of rotation until their first health check passes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import socket
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from .config import ServiceRef
+from .policy.types import EngineSnapshot
+from .scrape import VllmMetrics
+
+log = logging.getLogger(__name__)
+
+Clock = Callable[[], float]
+EngineCallback = Callable[[str], None]
+
+
+@dataclass(slots=True)
+class EngineState:
+    """Mutable, registry-private state of one engine."""
+
+    engine_id: str
+    healthy: bool = False
+    consecutive_failures: int = 0
+    consecutive_successes: int = 0
+    metrics: VllmMetrics | None = None
+    scraped_at: float = 0.0
+    last_error: str | None = None
+    down_since: float | None = field(default=None)
+
+
+class EngineRegistry:
+    """Engines by id, their health, and their last scraped metrics."""
+
+    def __init__(
+        self,
+        clock: Clock,
+        *,
+        on_down: EngineCallback,
+        on_up: EngineCallback,
+        on_removed: EngineCallback,
+    ) -> None:
+        self._clock = clock
+        self._on_down = on_down
+        self._on_up = on_up
+        self._on_removed = on_removed
+        self._engines: dict[str, EngineState] = {}
+        self._snapshot: Mapping[str, EngineSnapshot] | None = None
+        self.changed = asyncio.Event()
+        """Set whenever the set of engines changes (the probe supervisor waits on it)."""
+
+    # ---- membership -----------------------------------------------------
+
+    def set_engines(self, engine_ids: Iterable[str]) -> tuple[list[str], list[str]]:
+        """Make the registry hold exactly ``engine_ids``; returns (added, removed)."""
+        wanted = list(dict.fromkeys(engine_ids))
+        added = [e for e in wanted if e not in self._engines]
+        removed = [e for e in self._engines if e not in set(wanted)]
+        for e in added:
+            self._engines[e] = EngineState(e)
+            log.info("engine added: %s", e)
+        for e in removed:
+            del self._engines[e]
+            log.info("engine removed: %s", e)
+            self._on_removed(e)
+        if added or removed:
+            self._invalidate()
+            self.changed.set()
+        return added, removed
+
+    def ids(self) -> list[str]:
+        return list(self._engines)
+
+    def get(self, engine_id: str) -> EngineState | None:
+        return self._engines.get(engine_id)
+
+    # ---- health ---------------------------------------------------------
+
+    def record_health(
+        self, engine_id: str, ok: bool, *, down_after: int, up_after: int, error: str | None = None
+    ) -> None:
+        """One health check result; flips the engine after enough consecutive results."""
+        st = self._engines.get(engine_id)
+        if st is None:
+            return
+        if ok:
+            st.consecutive_failures = 0
+            st.consecutive_successes += 1
+            if not st.healthy and st.consecutive_successes >= up_after:
+                self._set_healthy(st, True, None)
+        else:
+            st.consecutive_successes = 0
+            st.consecutive_failures += 1
+            st.last_error = error
+            if st.healthy and st.consecutive_failures >= down_after:
+                self._set_healthy(st, False, error)
+
+    def mark_failed(self, engine_id: str, error: str) -> None:
+        """A connection error while proxying: out of rotation at once."""
+        st = self._engines.get(engine_id)
+        if st is None:
+            return
+        st.consecutive_successes = 0
+        st.consecutive_failures += 1
+        st.last_error = error
+        if st.healthy:
+            self._set_healthy(st, False, error)
+
+    def _set_healthy(self, st: EngineState, healthy: bool, error: str | None) -> None:
+        st.healthy = healthy
+        st.down_since = None if healthy else self._clock()
+        self._invalidate()
+        if healthy:
+            log.info("engine healthy: %s", st.engine_id)
+            self._on_up(st.engine_id)
+        else:
+            log.warning("engine out of rotation: %s (%s)", st.engine_id, error)
+            self._on_down(st.engine_id)
+
+    def healthy_count(self) -> int:
+        return sum(1 for st in self._engines.values() if st.healthy)
+
+    # ---- metrics --------------------------------------------------------
+
+    def record_metrics(self, engine_id: str, metrics: VllmMetrics, now: float) -> None:
+        st = self._engines.get(engine_id)
+        if st is None:
+            return
+        st.metrics = metrics
+        st.scraped_at = now
+        self._invalidate()
+
+    # ---- the policy's view ----------------------------------------------
+
+    def snapshots(self) -> Mapping[str, EngineSnapshot]:
+        """Immutable snapshots of every engine (unhealthy ones marked so)."""
+        if self._snapshot is None:
+            self._snapshot = MappingProxyType(
+                {e: _snapshot(st) for e, st in self._engines.items()}
+            )
+        return self._snapshot
+
+    def _invalidate(self) -> None:
+        self._snapshot = None
+
+
+def _snapshot(st: EngineState) -> EngineSnapshot:
+    m = st.metrics
+    if m is None:
+        return EngineSnapshot(engine_id=st.engine_id, healthy=st.healthy)
+    return EngineSnapshot(
+        engine_id=st.engine_id,
+        healthy=st.healthy,
+        kv_capacity_tokens=m.kv_capacity_tokens,
+        kv_usage=m.kv_usage,
+        num_running=m.num_running,
+        num_waiting=m.num_waiting,
+        prefix_queries_total=m.prefix_queries_total,
+        prefix_hits_total=m.prefix_hits_total,
+        preemptions_total=m.preemptions_total,
+        scraped_at=st.scraped_at,
+    )
+
+
+def engine_url(scheme: str, host: str, port: int) -> str:
+    """A base URL for an address, bracketing IPv6 literals."""
+    try:
+        if ipaddress.ip_address(host).version == 6:
+            host = f"[{host}]"
+    except ValueError:
+        pass
+    return f"{scheme}://{host}:{port}"
+
+
+async def resolve_service(ref: ServiceRef) -> list[str]:
+    """Every address a headless Service name resolves to, as sorted engine URLs.
+
+    Uses the event loop's ``getaddrinfo`` (a thread, never blocking the loop).
+    A resolution failure raises ``OSError``; the caller keeps the last good set.
+    """
+    loop = asyncio.get_running_loop()
+    infos = await loop.getaddrinfo(ref.name, ref.port, type=socket.SOCK_STREAM)
+    hosts = sorted({str(info[4][0]) for info in infos})
+    return [engine_url(ref.scheme, h, ref.port) for h in hosts]

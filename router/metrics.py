@@ -1,0 +1,145 @@
+"""Prometheus ``/metrics`` for the router: ``misat_*`` names in a per-app registry.
+
+Two kinds of series:
+
+- event series, updated where the event happens (decisions, held requests,
+  outcomes, hold waits, proxy overhead, retries, tokens);
+- state gauges, computed at scrape time from the same ``RouterStatus``
+  snapshot ``/status`` serves (held queue, sessions, KV budget and use per
+  engine and class, engine health, prefix-hit rate, mixture, sample rate).
+
+A per-app ``CollectorRegistry`` keeps two apps in one process (tests) apart.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from .policy.types import Decision
+from .status import RouterStatus
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+HOLD_WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+"""Seconds; holds last from one epoch (0.5 s) to the hold deadline (300 s by default)."""
+OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
+"""Seconds; the router's own work per request should be well under a millisecond."""
+
+
+class Outcome:
+    """Labels of ``misat_requests_total{outcome}``."""
+
+    OK = "ok"
+    ENGINE_ERROR = "engine_error"
+    """The engine answered with a 4xx/5xx status (passed through)."""
+    UPSTREAM_FAILED = "upstream_failed"
+    """The engine connection broke (after retries, or mid-stream)."""
+    RETRIED = "retried"
+    """An attempt that failed before any byte reached the client; placed again."""
+    CLIENT_DISCONNECT = "client_disconnect"
+    HOLD_DEADLINE = "hold_deadline"
+    SHUTDOWN = "shutdown"
+
+
+class _StateCollector(Collector):
+    def __init__(self, snapshot: Callable[[], RouterStatus]) -> None:
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._snapshot()
+        g = GaugeMetricFamily
+        held = g("misat_held_requests", "Requests waiting in the HOLD ledger.", labels=["class"])
+        active = g("misat_active_sessions", "Live sessions.", labels=["class"])
+        target = g("misat_mixture_target", "Target share of completed units.", labels=["class"])
+        consumed = g("misat_mixture_consumed", "Consumed share of completed units.", labels=["class"])
+        units = CounterMetricFamily(
+            "misat_completed_units", "Completed rollout units (an agentic trajectory is one).",
+            labels=["class"],
+        )
+        for c in s.classes:
+            held.add_metric([c.name], c.held_requests)
+            active.add_metric([c.name], c.active_sessions)
+            target.add_metric([c.name], c.target_share)
+            consumed.add_metric([c.name], c.consumed_share)
+            units.add_metric([c.name], c.completed_units)
+        yield from (held, active, target, consumed, units)
+
+        budget = g("misat_kv_budget_tokens", "Class KV budget M_{w,b}.", labels=["engine", "class"])
+        used = g("misat_kv_used_tokens", "Class KV in use (sessions x k_b).", labels=["engine", "class"])
+        cap = g("misat_class_session_cap", "Class session cap K_{w,b}.", labels=["engine", "class"])
+        for r in s.kv:
+            if r.budget_tokens is not None:
+                budget.add_metric([r.engine, r.workload_class], r.budget_tokens)
+            if r.used_tokens is not None:
+                used.add_metric([r.engine, r.workload_class], r.used_tokens)
+            if r.cap is not None:
+                cap.add_metric([r.engine, r.workload_class], r.cap)
+        yield from (budget, used, cap)
+
+        healthy = g("misat_engine_healthy", "1 when the engine is in rotation.", labels=["engine"])
+        inflight = g("misat_engine_in_flight", "Router requests in flight.", labels=["engine"])
+        kv_usage = g("misat_engine_kv_usage", "vLLM KV usage (0..1).", labels=["engine"])
+        hit = g("misat_engine_prefix_hit_rate", "Engine prefix-hit rate.", labels=["engine"])
+        for e in s.engines:
+            healthy.add_metric([e.id], 1.0 if e.healthy else 0.0)
+            inflight.add_metric([e.id], e.in_flight)
+            kv_usage.add_metric([e.id], e.kv_usage)
+            if e.prefix_hit_rate is not None:
+                hit.add_metric([e.id], e.prefix_hit_rate)
+        yield from (healthy, inflight, kv_usage, hit)
+
+        yield g("misat_prefix_hit_rate", "Prefix-hit rate over all engines.",
+                value=s.prefix_hit_rate if s.prefix_hit_rate is not None else 0.0)
+        yield g("misat_mixture_tv_points", "TV distance target vs consumed (points).",
+                value=s.mixture_tv_points)
+        yield g("misat_sample_rate_per_min", "Completed units per minute (window).",
+                value=s.sample_rate_per_min)
+        yield g("misat_requests_in_flight", "Requests in flight.", value=s.requests_in_flight)
+        yield g("misat_config_generation", "Applied config generation.", value=s.generation)
+        yield g("misat_paused", "1 while paused.", value=1.0 if s.paused else 0.0)
+
+
+class RouterMetrics:
+    """Every ``misat_*`` series of one router app."""
+
+    def __init__(self, snapshot: Callable[[], RouterStatus]) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        r = self.registry
+        self.decisions = Counter(
+            "misat_decisions", "Policy decisions.", ["class", "action", "reason"], registry=r
+        )
+        self.held = Counter(
+            "misat_requests_held", "Requests held on arrival.", ["class", "reason"], registry=r
+        )
+        self.requests = Counter(
+            "misat_requests", "Requests by final outcome.", ["class", "outcome"], registry=r
+        )
+        self.invalid = Counter("misat_invalid_requests", "Requests refused as malformed.", registry=r)
+        self.hold_wait = Histogram(
+            "misat_hold_wait_seconds", "Time held before placement or give-up.",
+            ["class", "outcome"], buckets=HOLD_WAIT_BUCKETS, registry=r,
+        )
+        self.overhead = Histogram(
+            "misat_proxy_overhead_seconds",
+            "Request arrival to upstream request sent, hold time excluded.",
+            buckets=OVERHEAD_BUCKETS, registry=r,
+        )
+        self.engine_failures = Counter(
+            "misat_engine_connection_failures", "Connection errors while proxying.", ["engine"],
+            registry=r,
+        )
+        self.tokens = Counter(
+            "misat_tokens", "Tokens from usage (or estimates).", ["class", "kind"], registry=r
+        )
+        self.reloads = Counter("misat_config_reloads", "Config reloads.", ["source", "result"], registry=r)
+        r.register(_StateCollector(snapshot))
+
+    def decision(self, workload_class: str, decision: Decision) -> None:
+        self.decisions.labels(workload_class, decision.action.value, decision.reason.value).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,405 @@
+"""The OpenAI-compatible endpoints: admit, forward, relay, and report the completion.
+
+``/v1/completions`` and ``/v1/chat/completions``:
+
+1. read the body (bounded by ``max_body_bytes``) and parse the rollout
+   metadata (``request_meta.py``); a malformed request never reaches a policy;
+2. ``Dispatcher.admit``: placed at once, or held until an epoch places it;
+3. forward to the engine; a connection failure before any byte went to the
+   client takes the engine out of rotation and places the request again
+   (at most ``max_placement_attempts`` engines);
+4. relay the answer unchanged: status, end-to-end headers, body bytes, and
+   for streams each chunk as it arrives (SSE framing intact);
+5. ``runner.finish`` with the usage the engine reported: ``usage`` of a JSON
+   answer, or of the final usage chunk of a stream (``stream_options.
+   include_usage``). Without usage the router estimates: prompt tokens from
+   the request, completion tokens = streamed content events (about one token
+   each in vLLM), or 0 for a JSON answer without usage.
+
+A client that goes away (handler cancelled) while held or streaming releases
+its ledger entry or its placement, and the upstream connection is closed so
+the engine aborts the request. If the engine breaks mid-stream the client
+gets an SSE error event and the stream ends.
+
+``/v1/models`` and ``/tokenize`` go to any healthy engine, no admission.
+``POST /v1/sessions/{id}/end`` ends a multi-turn session explicitly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict
+
+from .app import STATE, RouterState
+from .errors import BodyTooLarge, NotFound, ShuttingDown, UpstreamUnavailable, openai_error_body
+from .metrics import Outcome
+from .policy.types import Completion, RequestMeta
+from .request_meta import EndpointKind, ParsedRequest, parse_request
+
+ENGINE_HEADER = "X-Misat-Engine"
+"""Response header naming the engine that served the request."""
+
+HOP_BY_HOP = frozenset(
+    h.lower()
+    for h in (
+        "Connection", "Keep-Alive", "Proxy-Authenticate", "Proxy-Authorization", "TE",
+        "Trailer", "Transfer-Encoding", "Upgrade", "Content-Length", "Host",
+    )
+)
+"""Headers that describe one connection, never forwarded in either direction."""
+
+CONNECT_FAILURES = (
+    aiohttp.ClientConnectorError,
+    aiohttp.ServerDisconnectedError,
+    aiohttp.ClientOSError,
+    aiohttp.ConnectionTimeoutError,
+    aiohttp.ClientPayloadError,
+)
+"""Upstream errors that mean the engine is unreachable or its connection broke: before any
+byte reached the client the request is placed again elsewhere; the engine leaves rotation."""
+
+READ_FAILURES = (aiohttp.ClientError, TimeoutError)
+
+
+def _forward_headers(headers: Mapping[str, str]) -> CIMultiDict[str]:
+    out: CIMultiDict[str] = CIMultiDict()
+    for k, v in headers.items():
+        if k.lower() not in HOP_BY_HOP and k.lower() != "accept-encoding":
+            out.add(k, v)
+    # Byte-for-byte relay and usage parsing both need an uncompressed body.
+    out["Accept-Encoding"] = "identity"
+    return out
+
+
+def _response_headers(headers: Mapping[str, str], engine_id: str) -> CIMultiDict[str]:
+    out: CIMultiDict[str] = CIMultiDict()
+    for k, v in headers.items():
+        if k.lower() not in HOP_BY_HOP:
+            out.add(k, v)
+    out[ENGINE_HEADER] = engine_id
+    return out
+
+
+async def read_body(request: web.Request, limit: int) -> bytes:
+    """The request body, refused (``BodyTooLarge``) past ``limit`` bytes without reading it all."""
+    if request.content_length is not None and request.content_length > limit:
+        raise BodyTooLarge(f"request body is larger than {limit} bytes")
+    buf = bytearray()
+    while chunk := await request.content.readany():
+        buf += chunk
+        if len(buf) > limit:
+            raise BodyTooLarge(f"request body is larger than {limit} bytes")
+    return bytes(buf)
+
+
+# ---- usage ----------------------------------------------------------------
+
+
+def _completion_from_usage(
+    usage: object, meta: RequestMeta, ok: bool, completion_estimate: int
+) -> Completion:
+    if isinstance(usage, dict):
+        prompt = usage.get("prompt_tokens")
+        completion = usage.get("completion_tokens")
+        details = usage.get("prompt_tokens_details")
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        if isinstance(prompt, int) and isinstance(completion, int):
+            return Completion(
+                prompt, completion, cached if isinstance(cached, int) else None, ok=ok
+            )
+    return Completion(meta.prompt_tokens, completion_estimate, None, ok=ok)
+
+
+def usage_from_json(body: bytes, meta: RequestMeta, ok: bool) -> Completion:
+    """``usage`` of a JSON answer; estimated (prompt from the request, 0 out) without it."""
+    try:
+        obj = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        obj = None
+    usage = obj.get("usage") if isinstance(obj, dict) else None
+    return _completion_from_usage(usage, meta, ok, 0)
+
+
+class SseUsageTracker:
+    """Watches an SSE byte stream for the last ``usage`` object and counts content events."""
+
+    def __init__(self) -> None:
+        self._buf = b""
+        self.events = 0
+        self.usage: dict[str, object] | None = None
+
+    def feed(self, chunk: bytes) -> None:
+        self._buf += chunk
+        *events, self._buf = self._buf.replace(b"\r\n", b"\n").split(b"\n\n")
+        for event in events:
+            for line in event.split(b"\n"):
+                if not line.startswith(b"data:"):
+                    continue
+                payload = line[len(b"data:"):].strip()
+                if payload == b"[DONE]":
+                    continue
+                if b'"usage"' in payload:
+                    self._take_usage(payload)
+                if b'"choices":[]' not in payload.replace(b" ", b""):
+                    self.events += 1
+
+    def _take_usage(self, payload: bytes) -> None:
+        try:
+            obj = json.loads(payload)
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            return
+        if isinstance(obj, dict) and isinstance(obj.get("usage"), dict):
+            self.usage = obj["usage"]
+
+    @property
+    def mid_event(self) -> bool:
+        """Whether the stream stopped inside an event (an error event must start afresh)."""
+        return bool(self._buf.strip())
+
+    def completion(self, meta: RequestMeta, ok: bool) -> Completion:
+        return _completion_from_usage(self.usage, meta, ok, self.events)
+
+
+def sse_error_event(message: str) -> bytes:
+    body = openai_error_body(message, "upstream_error", code="engine_stream_broken")
+    return b"data: " + json.dumps(body).encode() + b"\n\ndata: [DONE]\n\n"
+
+
+# ---- forwarding -----------------------------------------------------------
+
+
+class _RetryElsewhere(Exception):
+    """The attempt failed before any byte reached the client."""
+
+
+@dataclass(slots=True)
+class Forwarder:
+    """One admitted request's trip to an engine and back."""
+
+    state: RouterState
+    request: web.Request
+    parsed: ParsedRequest
+    path: str
+    arrived: float
+
+    async def run(self) -> web.StreamResponse:
+        s = self.state
+        meta = self.parsed.meta
+        deadline_at = self.arrived + s.config.hold_deadline_s
+        held_total = 0.0
+        for attempt in range(1, s.config.max_placement_attempts + 1):
+            remaining = max(0.0, deadline_at - s.clock())
+            engine, held_s = await s.dispatcher.admit(meta, remaining)
+            held_total += held_s
+            if attempt == 1:
+                s.metrics.overhead.observe(max(0.0, s.clock() - self.arrived - held_total))
+            try:
+                return await self._attempt(engine)
+            except _RetryElsewhere:
+                continue
+        raise UpstreamUnavailable(
+            f"no engine answered after {s.config.max_placement_attempts} attempts",
+            code="upstream_unavailable",
+        )
+
+    def _timeout(self) -> aiohttp.ClientTimeout:
+        cfg = self.state.config
+        return aiohttp.ClientTimeout(
+            total=None, connect=cfg.upstream_connect_timeout_s, sock_read=cfg.upstream_timeout_s
+        )
+
+    def _engine_failed(self, engine: str, exc: BaseException) -> None:
+        s = self.state
+        s.metrics.engine_failures.labels(engine).inc()
+        s.registry.mark_failed(engine, f"{type(exc).__name__}: {exc}")
+
+    async def _attempt(self, engine: str) -> web.StreamResponse:
+        s = self.state
+        meta = self.parsed.meta
+        try:
+            async with s.session().post(
+                engine + self.path,
+                data=self.parsed.body,
+                headers=_forward_headers(self.request.headers),
+                timeout=self._timeout(),
+            ) as upstream:
+                if upstream.content_type == "text/event-stream":
+                    response = await self._relay_stream(engine, upstream)
+                else:
+                    response = await self._relay_body(engine, upstream)
+                return response
+        except CONNECT_FAILURES as exc:
+            self._engine_failed(engine, exc)
+            s.dispatcher.finish(meta, engine, _failed(meta), Outcome.RETRIED)
+            raise _RetryElsewhere from exc
+        except READ_FAILURES as exc:  # read timeout before the answer: the engine took the work
+            s.dispatcher.finish(meta, engine, _failed(meta), Outcome.UPSTREAM_FAILED)
+            raise UpstreamUnavailable(
+                f"engine did not answer: {type(exc).__name__}", code="upstream_timeout"
+            ) from exc
+        except asyncio.CancelledError:
+            s.dispatcher.finish(meta, engine, _failed(meta), Outcome.CLIENT_DISCONNECT)
+            raise
+
+    async def _relay_body(
+        self, engine: str, upstream: aiohttp.ClientResponse
+    ) -> web.Response:
+        body = await upstream.read()  # CONNECT_FAILURES here: nothing sent yet, retry
+        ok = upstream.status < 400
+        completion = usage_from_json(body, self.parsed.meta, ok)
+        self.state.dispatcher.finish(
+            self.parsed.meta, engine, completion, Outcome.OK if ok else Outcome.ENGINE_ERROR
+        )
+        return web.Response(
+            status=upstream.status,
+            body=body,
+            headers=_response_headers(upstream.headers, engine),
+        )
+
+    async def _relay_stream(
+        self, engine: str, upstream: aiohttp.ClientResponse
+    ) -> web.StreamResponse:
+        s = self.state
+        meta = self.parsed.meta
+        resp = web.StreamResponse(
+            status=upstream.status, headers=_response_headers(upstream.headers, engine)
+        )
+        tracker = SseUsageTracker()
+        outcome = Outcome.OK if upstream.status < 400 else Outcome.ENGINE_ERROR
+        try:
+            await resp.prepare(self.request)
+            while True:
+                try:
+                    chunk = await upstream.content.readany()
+                except READ_FAILURES as exc:
+                    outcome = Outcome.UPSTREAM_FAILED
+                    if isinstance(exc, CONNECT_FAILURES):
+                        self._engine_failed(engine, exc)
+                    await self._write_error(resp, tracker, f"engine stream broke: {type(exc).__name__}")
+                    break
+                if not chunk:
+                    break
+                tracker.feed(chunk)
+                await resp.write(chunk)
+            if outcome != Outcome.UPSTREAM_FAILED:
+                await resp.write_eof()
+        except ConnectionError:  # the client went away mid-stream
+            outcome = Outcome.CLIENT_DISCONNECT
+        except asyncio.CancelledError:
+            s.dispatcher.finish(meta, engine, tracker.completion(meta, ok=False),
+                                Outcome.CLIENT_DISCONNECT)
+            raise
+        s.dispatcher.finish(meta, engine, tracker.completion(meta, ok=outcome == Outcome.OK), outcome)
+        return resp
+
+    @staticmethod
+    async def _write_error(resp: web.StreamResponse, tracker: SseUsageTracker, msg: str) -> None:
+        event = sse_error_event(msg)
+        if tracker.mid_event:
+            event = b"\n\n" + event
+        try:
+            await resp.write(event)
+            await resp.write_eof()
+        except ConnectionError:
+            pass
+
+
+def _failed(meta: RequestMeta) -> Completion:
+    return Completion(prompt_tokens=meta.prompt_tokens, completion_tokens=0, ok=False)
+
+
+# ---- handlers -------------------------------------------------------------
+
+
+async def _generation(request: web.Request, kind: EndpointKind, path: str) -> web.StreamResponse:
+    s = request.app[STATE]
+    arrived = s.clock()
+    if s.dispatcher.draining:
+        raise ShuttingDown("router is shutting down")
+    raw = await read_body(request, s.config.max_body_bytes)
+    parsed = parse_request(
+        raw,
+        request.headers,
+        kind,
+        mix=s.config.workloads,
+        prefix=s.config.policy.prefix,
+        request_id=uuid.uuid4().hex,
+    )
+    return await Forwarder(s, request, parsed, path, arrived).run()
+
+
+async def handle_completions(request: web.Request) -> web.StreamResponse:
+    return await _generation(request, EndpointKind.COMPLETIONS, "/v1/completions")
+
+
+async def handle_chat(request: web.Request) -> web.StreamResponse:
+    return await _generation(request, EndpointKind.CHAT, "/v1/chat/completions")
+
+
+_pass_cursor = itertools.count()
+
+
+async def _pass_through(request: web.Request, path: str) -> web.Response:
+    """Send to healthy engines in turn until one answers; no admission, no accounting."""
+    s = request.app[STATE]
+    body = await read_body(request, s.config.max_body_bytes) if request.can_read_body else None
+    healthy = [e for e, snap in sorted(s.registry.snapshots().items()) if snap.healthy]
+    if not healthy:
+        raise UpstreamUnavailable("no healthy engine", code="no_healthy_engine")
+    start = next(_pass_cursor)
+    timeout = aiohttp.ClientTimeout(
+        total=None,
+        connect=s.config.upstream_connect_timeout_s,
+        sock_read=s.config.upstream_timeout_s,
+    )
+    tries = min(len(healthy), s.config.max_placement_attempts)
+    for i in range(tries):
+        engine = healthy[(start + i) % len(healthy)]
+        try:
+            async with s.session().request(
+                request.method, engine + path, data=body,
+                headers=_forward_headers(request.headers), timeout=timeout,
+            ) as upstream:
+                payload = await upstream.read()
+                return web.Response(
+                    status=upstream.status, body=payload,
+                    headers=_response_headers(upstream.headers, engine),
+                )
+        except CONNECT_FAILURES as exc:
+            s.metrics.engine_failures.labels(engine).inc()
+            s.registry.mark_failed(engine, f"{type(exc).__name__}: {exc}")
+    raise UpstreamUnavailable(f"no engine answered {path}", code="upstream_unavailable")
+
+
+async def handle_models(request: web.Request) -> web.Response:
+    return await _pass_through(request, "/v1/models")
+
+
+async def handle_tokenize(request: web.Request) -> web.Response:
+    return await _pass_through(request, "/tokenize")
+
+
+async def handle_session_end(request: web.Request) -> web.Response:
+    session_id = request.match_info["session_id"]
+    s = request.app[STATE]
+    if not s.dispatcher.end_session(session_id):
+        raise NotFound(f"no live session {session_id!r}", param="session_id", code="unknown_session")
+    return web.json_response({"id": session_id, "ended": True})
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/v1/completions", handle_completions)
+    app.router.add_post("/v1/chat/completions", handle_chat)
+    app.router.add_get("/v1/models", handle_models)
+    app.router.add_post("/tokenize", handle_tokenize)
+    app.router.add_post("/v1/sessions/{session_id}/end", handle_session_end)
+
+

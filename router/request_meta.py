@@ -1,0 +1,287 @@
+"""Turn an incoming OpenAI request into what the policy needs (``RequestMeta``).
+
+Rollout metadata comes from headers, or from a top-level ``"rollout"`` object
+in the JSON body for clients that cannot set headers:
+
+=====================  ===========================  ==================================
+header                 body field                   meaning
+=====================  ===========================  ==================================
+``X-Rollout-Class``    ``rollout.class``            workload class (``rlvr``, ...)
+``X-Session-Id``       ``rollout.session_id``       session id (multi-turn, or a group)
+``X-Session-Turn``     ``rollout.turn``             turn number, integer >= 0
+``X-Session-End``      ``rollout.end``              last request of the session
+=====================  ===========================  ==================================
+
+The router removes the ``rollout`` object before forwarding (vLLM would reject
+an unknown field); without it the body is forwarded byte for byte. When a
+header and the body both give a field they must agree. Unlabelled traffic
+gets ``workloads.default_class``; without one, and for an unknown class, the
+request is refused (``InvalidRequest``).
+
+The prompt: token ids (``prompt`` as a list of ints, or a list of such lists)
+give exact ``prompt_tokens``; text (``prompt`` string or list of strings, or
+chat ``messages`` rendered as "role\\ncontent" lines) gives a text prefix for
+affinity without a round trip to an engine, and ``prompt_tokens`` estimated as
+characters / ``policy.prefix.chars_per_token``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+from .errors import InvalidRequest
+from .policy.settings import PrefixIndexSettings, WorkloadMix
+from .policy.types import RequestMeta
+
+HEADER_CLASS = "X-Rollout-Class"
+HEADER_SESSION_ID = "X-Session-Id"
+HEADER_TURN = "X-Session-Turn"
+HEADER_END = "X-Session-End"
+BODY_ROLLOUT_FIELD = "rollout"
+ROLLOUT_KEYS = ("class", "session_id", "turn", "end")
+
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off"})
+
+
+class EndpointKind(StrEnum):
+    COMPLETIONS = "completions"
+    CHAT = "chat"
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedRequest:
+    """A validated request: the policy's view, the bytes to forward, and whether it streams."""
+
+    meta: RequestMeta
+    body: bytes
+    stream: bool
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _parse_bool(value: object, param: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
+        return value.strip().lower() in _TRUE
+    raise InvalidRequest(f"{param} must be a boolean (true/false), got {value!r}", param=param)
+
+
+def _parse_turn(value: object, param: str) -> int:
+    if isinstance(value, str):
+        try:
+            value = int(value.strip())
+        except ValueError:
+            raise InvalidRequest(f"{param} must be an integer >= 0", param=param) from None
+    if not _is_int(value) or value < 0:  # type: ignore[operator]
+        raise InvalidRequest(f"{param} must be an integer >= 0", param=param)
+    return int(value)  # type: ignore[arg-type]
+
+
+def _merge(header: object | None, body: object | None, param: str) -> object | None:
+    if header is not None and body is not None and header != body:
+        raise InvalidRequest(
+            f"header and body disagree on {param}: {header!r} vs {body!r}", param=param
+        )
+    return header if header is not None else body
+
+
+def _rollout_fields(obj: dict[str, Any]) -> dict[str, Any]:
+    raw = obj.get(BODY_ROLLOUT_FIELD)
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise InvalidRequest("rollout must be an object", param=BODY_ROLLOUT_FIELD)
+    unknown = sorted(set(raw) - set(ROLLOUT_KEYS))
+    if unknown:
+        raise InvalidRequest(
+            f"unknown rollout field(s) {unknown}; allowed: {list(ROLLOUT_KEYS)}",
+            param=f"{BODY_ROLLOUT_FIELD}.{unknown[0]}",
+        )
+    return raw
+
+
+def _text_of_content(content: object, param: str) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for i, part in enumerate(content):
+            if not isinstance(part, dict):
+                raise InvalidRequest(f"{param}[{i}] must be an object", param=f"{param}[{i}]")
+            if part.get("type") == "text" and isinstance(part.get("text"), str):
+                parts.append(part["text"])
+        return "".join(parts)
+    raise InvalidRequest(f"{param} must be a string or a list of parts", param=param)
+
+
+def render_messages(messages: object) -> str:
+    """Chat messages as one deterministic text ("role\\ncontent\\n" each) for prefix affinity."""
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequest("messages must be a non-empty list", param="messages")
+    lines = []
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
+            raise InvalidRequest(
+                f"messages[{i}] must be an object with a string 'role'", param=f"messages[{i}]"
+            )
+        text = _text_of_content(msg.get("content"), f"messages[{i}].content")
+        if msg.get("tool_calls") is not None:
+            text += json.dumps(msg["tool_calls"], sort_keys=True, separators=(",", ":"))
+        lines.append(f"{msg['role']}\n{text}\n")
+    return "".join(lines)
+
+
+@dataclass(frozen=True, slots=True)
+class _Prompt:
+    token_ids: tuple[int, ...] | None
+    text: str | None
+    tokens: int
+
+
+def _estimate(text: str, chars_per_token: float) -> int:
+    return math.ceil(len(text) / chars_per_token)
+
+
+def _completion_prompt(prompt: object, chars_per_token: float) -> _Prompt:
+    """The first prompt gives affinity; the length counts every prompt of a batch."""
+    if isinstance(prompt, str):
+        return _Prompt(None, prompt, _estimate(prompt, chars_per_token))
+    if isinstance(prompt, list) and prompt:
+        if all(_is_int(t) for t in prompt):
+            return _Prompt(tuple(prompt), None, len(prompt))
+        if all(isinstance(p, str) for p in prompt):
+            return _Prompt(None, prompt[0], sum(_estimate(p, chars_per_token) for p in prompt))
+        if all(isinstance(p, list) and p and all(_is_int(t) for t in p) for p in prompt):
+            return _Prompt(tuple(prompt[0]), None, sum(len(p) for p in prompt))
+    raise InvalidRequest(
+        "prompt must be a string, a non-empty list of token ids, or a list of either",
+        param="prompt",
+    )
+
+
+def _decode_body(raw: bytes) -> dict[str, Any]:
+    try:
+        obj = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise InvalidRequest("request body must be a JSON object")
+    return obj
+
+
+def _check_common(obj: dict[str, Any]) -> bool:
+    if "model" in obj and not isinstance(obj["model"], str):
+        raise InvalidRequest("model must be a string", param="model")
+    for key in ("max_tokens", "max_completion_tokens"):
+        v = obj.get(key)
+        if v is not None and (not _is_int(v) or v < 1):
+            raise InvalidRequest(f"{key} must be an integer >= 1, got {v!r}", param=key)
+    stream = obj.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise InvalidRequest("stream must be a boolean", param="stream")
+    return stream
+
+
+def _workload_class(value: object | None, mix: WorkloadMix) -> str:
+    if value is None:
+        if mix.default_class is None:
+            raise InvalidRequest(
+                f"no workload class: set the {HEADER_CLASS} header or rollout.class "
+                "(this router has no default class)",
+                param=BODY_ROLLOUT_FIELD + ".class",
+                code="missing_rollout_class",
+            )
+        return mix.default_class
+    if not isinstance(value, str) or mix.get(value) is None:
+        known = [c.name for c in mix.classes]
+        raise InvalidRequest(
+            f"unknown workload class {value!r}; known: {known}",
+            param=BODY_ROLLOUT_FIELD + ".class",
+            code="unknown_rollout_class",
+        )
+    return value
+
+
+def parse_request(
+    raw: bytes,
+    headers: Mapping[str, str],
+    kind: EndpointKind,
+    *,
+    mix: WorkloadMix,
+    prefix: PrefixIndexSettings,
+    request_id: str,
+) -> ParsedRequest:
+    """Validate ``raw`` and the rollout headers; raise ``InvalidRequest`` on any problem.
+
+    ``headers`` must look up case-insensitively (aiohttp's ``request.headers`` does).
+    """
+    obj = _decode_body(raw)
+    stream = _check_common(obj)
+    rollout = _rollout_fields(obj)
+
+    cls_header = headers.get(HEADER_CLASS)
+    cls = _workload_class(_merge(cls_header, rollout.get("class"), "rollout.class"), mix)
+
+    sid_body = rollout.get("session_id")
+    if sid_body is not None and not isinstance(sid_body, str):
+        raise InvalidRequest("rollout.session_id must be a string", param="rollout.session_id")
+    session_id = _merge(headers.get(HEADER_SESSION_ID), sid_body, "rollout.session_id")
+    if session_id == "":
+        raise InvalidRequest("session id must not be empty", param="rollout.session_id")
+
+    turn_h = headers.get(HEADER_TURN)
+    turn_b = rollout.get("turn")
+    turn = _merge(
+        None if turn_h is None else _parse_turn(turn_h, HEADER_TURN),
+        None if turn_b is None else _parse_turn(turn_b, "rollout.turn"),
+        "rollout.turn",
+    )
+    end_h = headers.get(HEADER_END)
+    end_b = rollout.get("end")
+    end = _merge(
+        None if end_h is None else _parse_bool(end_h, HEADER_END),
+        None if end_b is None else _parse_bool(end_b, "rollout.end"),
+        "rollout.end",
+    )
+
+    if kind is EndpointKind.COMPLETIONS:
+        if "prompt" not in obj:
+            raise InvalidRequest("prompt is required", param="prompt")
+        prompt = _completion_prompt(obj["prompt"], prefix.chars_per_token)
+        max_tokens = obj.get("max_tokens")
+    else:
+        text = render_messages(obj.get("messages"))
+        prompt = _Prompt(None, text, _estimate(text, prefix.chars_per_token))
+        max_tokens = obj.get("max_completion_tokens", obj.get("max_tokens"))
+
+    if BODY_ROLLOUT_FIELD in obj:
+        del obj[BODY_ROLLOUT_FIELD]
+        body = json.dumps(obj).encode()
+    else:
+        body = raw
+
+    meta = RequestMeta(
+        request_id=request_id,
+        workload_class=cls,
+        session_id=session_id,  # type: ignore[arg-type]
+        turn=int(turn or 0),  # type: ignore[call-overload]
+        prompt_token_ids=prompt.token_ids,
+        prompt_text=prompt.text,
+        prompt_tokens=prompt.tokens,
+        max_tokens=max_tokens,
+        end_of_session=bool(end),
+    )
+    return ParsedRequest(meta=meta, body=body, stream=stream)

@@ -1,0 +1,145 @@
+"""``misat router``: run the router service until SIGINT/SIGTERM.
+
+``main(argv)`` returns an exit code instead of raising, so a bad config or a
+taken port is one clear line on stderr and a non-zero exit, never a traceback.
+uvloop is used when importable. The config file given with ``--config`` is
+also watched for changes (a mounted ConfigMap reloads in place).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+import sys
+import time
+from pathlib import Path
+
+from aiohttp import web
+
+from .app import create_app
+from .config import ConfigError, RouterConfig, load_config
+
+log = logging.getLogger("misat_router")
+
+DEFAULT_HOST = "0.0.0.0"
+DEFAULT_PORT = 8080
+EXIT_OK = 0
+EXIT_CONFIG = 2
+EXIT_RUNTIME = 1
+SHUTDOWN_GRACE_S = 5.0
+"""Extra seconds aiohttp waits for handlers after the app's own drain (``drain_timeout_s``)."""
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object a line, for log collectors."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out = {
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+            + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out)
+
+
+def _setup_logging(as_json: bool) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        JsonFormatter() if as_json else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+    )
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.INFO)
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="misat router", description="Run the MISA-T router.")
+    p.add_argument("--config", required=True, type=Path, help="RouterConfig YAML/JSON file (watched).")
+    p.add_argument("--host", default=DEFAULT_HOST, help=f"Listen address (default {DEFAULT_HOST}).")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"Listen port (default {DEFAULT_PORT}).")
+    p.add_argument(
+        "--admin-token-file", type=Path, default=None,
+        help="File holding the admin bearer token; without it the admin API answers 403.",
+    )
+    p.add_argument("--log-json", action="store_true", help="Log one JSON object per line.")
+    return p
+
+
+def read_token(path: Path) -> str:
+    try:
+        token = path.read_text().strip()
+    except OSError as exc:
+        raise ConfigError(f"cannot read admin token file {str(path)!r}: {exc.strerror}") from None
+    if not token:
+        raise ConfigError(f"admin token file {str(path)!r} is empty")
+    return token
+
+
+async def serve(
+    config: RouterConfig, *, host: str, port: int, admin_token: str | None, config_path: Path
+) -> None:
+    """Serve until a stop signal; raises ``OSError`` when the port cannot be bound."""
+    app = create_app(config, admin_token=admin_token, config_path=config_path)
+    runner = web.AppRunner(
+        app,
+        handler_cancellation=True,  # a client that goes away cancels its handler
+        shutdown_timeout=config.drain_timeout_s + SHUTDOWN_GRACE_S,
+        access_log=None,
+    )
+    await runner.setup()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    try:
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+        log.info("router listening on %s:%d (generation %d)", host, port, config.generation)
+        await stop.wait()
+        log.info("stopping: draining in-flight requests")
+    finally:
+        await runner.cleanup()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _setup_logging(args.log_json)
+    try:
+        config = load_config(args.config)
+        token = read_token(args.admin_token_file) if args.admin_token_file else None
+    except ConfigError as exc:
+        print(f"misat router: invalid config: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    try:
+        import uvloop
+
+        runner_factory = uvloop.new_event_loop
+    except ImportError:
+        runner_factory = None
+    try:
+        with asyncio.Runner(loop_factory=runner_factory) as r:
+            r.run(
+                serve(config, host=args.host, port=args.port, admin_token=token,
+                      config_path=args.config)
+            )
+    except OSError as exc:
+        print(f"misat router: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}",
+              file=sys.stderr)
+        return EXIT_RUNTIME
+    except KeyboardInterrupt:
+        pass
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,228 @@
+"""The ``/status`` snapshot: one pydantic model, built from the live state in one pass.
+
+The operator's status timer copies this into the RolloutPool status, so the
+model is the contract: field names are stable and documented in
+``docs/router.md``. ``/metrics`` renders the very same snapshot as gauges
+(``metrics.py``), so the two views never disagree.
+
+Per-class KV budget and use come from ``policy.describe()``: MISA-T and its
+ablations report ``engines[w].classes[b].{budget_tokens, used_tokens,
+sessions, cap}``; baselines report none and the fields are null.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from .config import RouterConfig
+from .engines import EngineRegistry
+from .policy.runner import PolicyRunner
+
+SECONDS_PER_MINUTE = 60.0
+
+
+class SampleRateMeter:
+    """Completed rollout units per minute over a sliding window.
+
+    Fed the cumulative completed-unit count (``runner.mixture.total``) after
+    anything that may complete a unit; keeps one entry per change.
+    """
+
+    def __init__(self, started_at: float) -> None:
+        self._started_at = started_at
+        self._events: deque[tuple[float, int]] = deque()
+        self._last_total = 0
+
+    def observe(self, total: int, now: float) -> None:
+        if total > self._last_total:
+            self._events.append((now, total - self._last_total))
+        self._last_total = total
+
+    def per_minute(self, now: float, window_s: float) -> float:
+        while self._events and self._events[0][0] < now - window_s:
+            self._events.popleft()
+        span = min(window_s, now - self._started_at)
+        if span <= 0:
+            return 0.0
+        return sum(n for _, n in self._events) * SECONDS_PER_MINUTE / span
+
+
+class EngineStatus(BaseModel):
+    id: str
+    healthy: bool
+    in_flight: int = Field(description="Requests this router has in flight on the engine.")
+    kv_capacity_tokens: int
+    kv_usage: float = Field(description="vllm:kv_cache_usage_perc at the last scrape (0..1).")
+    running: int
+    waiting: int
+    prefix_hit_rate: float | None = Field(
+        description="Cumulative prefix-cache hits / queries the engine reports; null before any query."
+    )
+    preemptions_total: float
+    last_scrape_age_s: float | None
+    last_error: str | None
+
+
+class KvAllocation(BaseModel):
+    engine: str
+    workload_class: str
+    sessions: int | None
+    cap: int | None = Field(description="K_{w,b}: sessions the class may hold on the engine.")
+    budget_tokens: float | None = Field(description="M_{w,b}: the class's KV budget on the engine.")
+    used_tokens: float | None = Field(description="Live sessions x the class's footprint k_b.")
+
+
+class ClassStatus(BaseModel):
+    name: str
+    target_share: float = Field(description="Target fraction of completed units (0..1).")
+    consumed_share: float = Field(description="Fraction of completed units so far (0..1).")
+    completed_units: int
+    active_sessions: int
+    held_requests: int
+    kv_budget_tokens: float | None = Field(description="Sum over engines of the class budget.")
+    kv_used_tokens: float | None
+
+
+class RouterStatus(BaseModel):
+    generation: int
+    config_hash: str
+    model: str
+    policy: str
+    paused: bool
+    ready: bool
+    draining: bool
+    healthy_engines: int
+    requests_in_flight: int
+    held_requests: int
+    classes: list[ClassStatus]
+    engines: list[EngineStatus]
+    kv: list[KvAllocation]
+    mixture_tv_points: float = Field(description="TV distance target vs consumed, points (0..100).")
+    sample_rate_per_min: float = Field(description="Completed units per minute, sliding window.")
+    prefix_hit_rate: float | None = Field(description="Engine-reported hits / queries, all engines.")
+    sessions_ended_idle: int
+    last_reload_error: str | None
+    policy_state: dict[str, Any] = Field(description="policy.describe(), verbatim.")
+
+
+def _num(v: object) -> float | None:
+    return float(v) if isinstance(v, int | float) and not isinstance(v, bool) else None
+
+
+def kv_allocations(describe: Mapping[str, Any]) -> list[KvAllocation]:
+    """Per engine and class KV rows from ``policy.describe()`` (empty for baselines)."""
+    engines = describe.get("engines")
+    if not isinstance(engines, Mapping):
+        return []
+    rows = []
+    for engine, info in sorted(engines.items()):
+        classes = info.get("classes") if isinstance(info, Mapping) else None
+        if not isinstance(classes, Mapping):
+            continue
+        for cls, row in sorted(classes.items()):
+            if not isinstance(row, Mapping):
+                continue
+            sessions, cap = _num(row.get("sessions")), _num(row.get("cap"))
+            rows.append(
+                KvAllocation(
+                    engine=str(engine),
+                    workload_class=str(cls),
+                    sessions=None if sessions is None else int(sessions),
+                    cap=None if cap is None else int(cap),
+                    budget_tokens=_num(row.get("budget_tokens")),
+                    used_tokens=_num(row.get("used_tokens")),
+                )
+            )
+    return rows
+
+
+def _sum_or_none(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return sum(known) if known else None
+
+
+def build_status(
+    *,
+    config: RouterConfig,
+    config_hash: str,
+    runner: PolicyRunner,
+    registry: EngineRegistry,
+    in_flight_per_engine: Mapping[str, int],
+    requests_in_flight: int,
+    sample_rate_per_min: float,
+    draining: bool,
+    last_reload_error: str | None,
+    now: float,
+) -> RouterStatus:
+    describe = runner.policy.describe()
+    kv = kv_allocations(describe)
+    active = runner.active_sessions()
+    consumed = runner.mixture.consumed()
+    classes = [
+        ClassStatus(
+            name=spec.name,
+            target_share=runner.mixture.target.get(spec.name, 0.0),
+            consumed_share=consumed.get(spec.name, 0.0),
+            completed_units=runner.mixture.completed.get(spec.name, 0),
+            active_sessions=active.get(spec.name, 0),
+            held_requests=runner.held_count(spec.name),
+            kv_budget_tokens=_sum_or_none(
+                [r.budget_tokens for r in kv if r.workload_class == spec.name]
+            ),
+            kv_used_tokens=_sum_or_none([r.used_tokens for r in kv if r.workload_class == spec.name]),
+        )
+        for spec in runner.mix.classes
+    ]
+    engines = []
+    hits = queries = 0.0
+    for eid in registry.ids():
+        st = registry.get(eid)
+        assert st is not None
+        m = st.metrics
+        if m is not None:
+            hits += m.prefix_hits_total
+            queries += m.prefix_queries_total
+        engines.append(
+            EngineStatus(
+                id=eid,
+                healthy=st.healthy,
+                in_flight=in_flight_per_engine.get(eid, 0),
+                kv_capacity_tokens=m.kv_capacity_tokens if m else 0,
+                kv_usage=m.kv_usage if m else 0.0,
+                running=m.num_running if m else 0,
+                waiting=m.num_waiting if m else 0,
+                prefix_hit_rate=(
+                    m.prefix_hits_total / m.prefix_queries_total
+                    if m and m.prefix_queries_total > 0 else None
+                ),
+                preemptions_total=m.preemptions_total if m else 0.0,
+                last_scrape_age_s=(now - st.scraped_at) if m else None,
+                last_error=st.last_error,
+            )
+        )
+    healthy = registry.healthy_count()
+    return RouterStatus(
+        generation=config.generation,
+        config_hash=config_hash,
+        model=config.model,
+        policy=config.policy.name.value,
+        paused=runner.paused,
+        ready=healthy > 0 and not draining,
+        draining=draining,
+        healthy_engines=healthy,
+        requests_in_flight=requests_in_flight,
+        held_requests=runner.held_count(),
+        classes=classes,
+        engines=engines,
+        kv=kv,
+        mixture_tv_points=runner.mixture.tv_points(),
+        sample_rate_per_min=sample_rate_per_min,
+        prefix_hit_rate=hits / queries if queries > 0 else None,
+        sessions_ended_idle=runner.sessions_ended_idle,
+        last_reload_error=last_reload_error,
+        policy_state=describe,
+    )

@@ -1,0 +1,191 @@
+"""One request inside the engine model: its tokens, progress, blocks and timestamps.
+
+Generated tokens are a seeded function of (engine seed, prompt, sample index),
+so a run is reproducible and a preempted request regenerates nothing (vLLM
+keeps output tokens across a recompute preemption, and so do we). They are
+produced lazily, a block at a time, from one ``random.Random`` per request:
+the engine advances a counter per decode step and only materialises ids when
+a block fills (its hash needs them) or a caller asks for them.
+
+EOS: a randomly initialised model emits its EOS id with probability about
+``1 / vocab_size`` per token, so without ``ignore_eos`` the stop position is
+drawn once, when the request is created, from the geometric distribution with
+that parameter; the token there is the EOS id and no earlier token is. With
+``ignore_eos`` the request runs to ``max_tokens`` (or ``max_model_len``).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from array import array
+from collections.abc import Sequence
+from enum import StrEnum
+
+from misat_sim.kv_cache import NONE_HASH, KVBlock
+
+FIRST_REGULAR_TOKEN_ID: int = 3
+"""Ids below this are special (pad/unk, BOS, EOS in a Llama vocabulary); never generated."""
+
+
+class RequestStatus(StrEnum):
+    """Where a request is in the scheduler's state machine."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+class FinishReason(StrEnum):
+    """vLLM's finish reasons (the ``finished_reason`` label of request_success_total)."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+def sample_stop_length(rng: random.Random, max_tokens: int, eos_probability: float) -> int:
+    """Output length at which a sampled EOS appears (geometric), capped at ``max_tokens + 1``.
+
+    A result above ``max_tokens`` means no EOS before the length limit.
+    """
+    u = rng.random()
+    if eos_probability <= 0.0:
+        return max_tokens + 1
+    pos = 1 + int(math.log1p(-u) / math.log1p(-eos_probability))
+    return min(pos, max_tokens + 1)
+
+
+class SimRequest:
+    """Mutable state of one request, shaped like vLLM's ``Request``."""
+
+    __slots__ = (
+        "_block_hashes",
+        "_rng",
+        "arrival_time",
+        "block_size",
+        "blocks",
+        "eos_token_id",
+        "finish_reason",
+        "finish_time",
+        "first_scheduled_time",
+        "first_token_time",
+        "ignore_eos",
+        "max_tokens",
+        "num_cached_blocks",
+        "num_cached_tokens",
+        "num_computed_tokens",
+        "num_output_tokens",
+        "num_preemptions",
+        "num_prompt_tokens",
+        "output_token_ids",
+        "prompt_token_ids",
+        "request_id",
+        "status",
+        "stop_length",
+        "stops_on_eos",
+        "token_high",
+        "token_low",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        max_tokens: int,
+        *,
+        ignore_eos: bool,
+        arrival_time: float,
+        block_size: int,
+        vocab_size: int,
+        eos_token_id: int,
+        token_seed: int,
+        prompt_block_hashes: list[int] | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.max_tokens = max_tokens
+        self.ignore_eos = ignore_eos
+        self.arrival_time = arrival_time
+        self.block_size = block_size
+        self.eos_token_id = eos_token_id
+        self.token_low = FIRST_REGULAR_TOKEN_ID
+        self.token_high = vocab_size
+        self._rng = random.Random(token_seed)
+        stop = sample_stop_length(self._rng, max_tokens, 0.0 if ignore_eos else 1.0 / vocab_size)
+        self.stops_on_eos = stop <= max_tokens
+        self.stop_length = min(stop, max_tokens)
+        self.output_token_ids: list[int] = []
+        self.num_output_tokens = 0
+        self.num_computed_tokens = 0
+        self.blocks: list[KVBlock] = []
+        self.num_cached_blocks = 0
+        self._block_hashes: list[int] = prompt_block_hashes if prompt_block_hashes is not None else []
+        self.status = RequestStatus.WAITING
+        self.num_preemptions = 0
+        self.num_cached_tokens = -1
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+        self.finish_reason: FinishReason | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus output tokens so far."""
+        return self.num_prompt_tokens + self.num_output_tokens
+
+    def materialize_outputs(self, upto: int | None = None) -> list[int]:
+        """Generate output ids up to ``upto`` (default: all emitted so far); returns the list."""
+        target = self.num_output_tokens if upto is None else min(upto, self.num_output_tokens)
+        out = self.output_token_ids
+        missing = target - len(out)
+        if missing > 0:
+            lo = self.token_low
+            span = self.token_high - lo
+            eos = self.eos_token_id
+            raw = array("I", self._rng.randbytes(4 * missing))
+            out.extend([v if (v := lo + x % span) != eos else lo for x in raw])
+            if self.stops_on_eos and len(out) >= self.stop_length:
+                out[self.stop_length - 1] = eos
+        return out
+
+    def token_at(self, position: int) -> int:
+        """Token id at ``position`` of prompt + output."""
+        p = self.num_prompt_tokens
+        if position < p:
+            return self.prompt_token_ids[position]
+        return self.materialize_outputs(position - p + 1)[position - p]
+
+    def block_hash(self, index: int) -> int:
+        """Chained hash of full block ``index`` (computed on demand, then kept)."""
+        hashes = self._block_hashes
+        if index < len(hashes):
+            return hashes[index]
+        bs = self.block_size
+        p = self.num_prompt_tokens
+        end = (index + 1) * bs
+        if end > p:
+            self.materialize_outputs(end - p)
+        prompt = self.prompt_token_ids
+        out = self.output_token_ids
+        parent = hashes[-1] if hashes else NONE_HASH
+        for i in range(len(hashes), index + 1):
+            s, e = i * bs, (i + 1) * bs
+            if e <= p:
+                toks = tuple(prompt[s:e])
+            elif s >= p:
+                toks = tuple(out[s - p : e - p])
+            else:
+                toks = tuple(prompt[s:]) + tuple(out[: e - p])
+            parent = hash((parent, toks))
+            hashes.append(parent)
+        return parent
+
+    def __repr__(self) -> str:
+        return (
+            f"SimRequest({self.request_id!r}, prompt={self.num_prompt_tokens}, "
+            f"out={self.num_output_tokens}/{self.stop_length}, computed={self.num_computed_tokens}, "
+            f"blocks={len(self.blocks)}, {self.status.value})"
+        )

@@ -1,0 +1,313 @@
+"""Scenario tests, one mechanism of MISA-T each, driven through the PolicyRunner."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from misat_router.policy.misa import MisaPolicy
+from misat_router.policy.runner import PolicyRunner
+from misat_router.policy.settings import (
+    ClassSpec,
+    FootprintSettings,
+    PolicyName,
+    PolicySettings,
+    ResidencySettings,
+    SessionAdmissionSettings,
+    WorkloadMix,
+)
+from misat_router.policy.types import Completion, EngineSnapshot, Reason, RequestMeta
+
+_ids = itertools.count()
+
+
+def make_runner(
+    name: PolicyName = PolicyName.MISA_T,
+    classes: tuple[ClassSpec, ...] | None = None,
+    **overrides: object,
+) -> PolicyRunner:
+    mix = WorkloadMix(
+        classes=classes
+        or (
+            ClassSpec(name="rlvr", share=50),
+            ClassSpec(name="agentic", share=50, multi_turn=True),
+        )
+    )
+    settings = PolicySettings(
+        name=name,
+        kv_budget_fraction=1.0,
+        footprint=FootprintSettings(min_samples=1, bootstrap_tokens=1000),
+        residency=ResidencySettings(min_samples=1),
+        **overrides,  # type: ignore[arg-type]
+    )
+    return PolicyRunner(MisaPolicy(settings, mix), mix)
+
+
+def engines(n: int = 1, capacity: int = 10_000, **kw: object) -> dict[str, EngineSnapshot]:
+    return {f"e{i}": EngineSnapshot(f"e{i}", kv_capacity_tokens=capacity, **kw) for i in range(n)}  # type: ignore[arg-type]
+
+
+def req(cls: str, session: str | None = None, turn: int = 0, prompt: int = 32, **kw: object) -> RequestMeta:
+    return RequestMeta(
+        request_id=f"r{next(_ids)}",
+        workload_class=cls,
+        session_id=session,
+        turn=turn,
+        prompt_token_ids=tuple(range(prompt)),
+        prompt_tokens=prompt,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+def teach(runner: PolicyRunner, cls: str, tokens: int, duration: float, n: int = 3, t0: float = 0.0) -> None:
+    """Complete ``n`` sessions of ``cls`` of ``tokens`` peak KV lasting ``duration`` seconds."""
+    big = engines(1, capacity=10**9)
+    multi = runner.mix.get(cls).multi_turn  # type: ignore[union-attr]
+    for i in range(n):
+        r = req(cls, session=f"teach-{cls}-{next(_ids)}" if multi else None)
+        d = runner.submit(r, big, t0)
+        assert d.placed
+        runner.finish(r, d.engine_id, Completion(prompt_tokens=tokens // 2, completion_tokens=tokens // 2), t0 + duration)  # type: ignore[arg-type]
+        if multi:
+            runner.end_session(r.session_key, t0 + duration)
+        assert i >= 0
+    runner.remove_engine("e0", t0 + duration)
+
+
+def fill(runner: PolicyRunner, cls: str, eng: dict[str, EngineSnapshot], n: int, now: float = 10.0) -> list:
+    multi = runner.mix.get(cls).multi_turn  # type: ignore[union-attr]
+    out = []
+    for _ in range(n):
+        r = req(cls, session=f"s{next(_ids)}" if multi else None)
+        out.append((r, runner.submit(r, eng, now)))
+    return out
+
+
+def placed_count(decisions: list, engine: str | None = None) -> int:
+    return sum(1 for _, d in decisions if d.placed and (engine is None or d.engine_id == engine))
+
+
+def test_session_cap_follows_footprint_single_class() -> None:
+    classes = (ClassSpec(name="rlvr", share=100),)
+    small, large = make_runner(PolicyName.SESSION_ADMISSION, classes), make_runner(PolicyName.SESSION_ADMISSION, classes)
+    teach(small, "rlvr", 1000, 1.0)
+    teach(large, "rlvr", 2000, 1.0)
+    eng = engines(1, capacity=40_000)
+    n_small = placed_count(fill(small, "rlvr", eng, 100))
+    n_large = placed_count(fill(large, "rlvr", eng, 100))
+    assert n_small == 40
+    assert n_large == 20  # footprint doubled: half the sessions
+
+
+def test_class_with_doubled_footprint_gets_half_the_sessions_at_equal_budget() -> None:
+    classes = (
+        ClassSpec(name="a", share=50, min_share=0.5, max_share=0.5),
+        ClassSpec(name="b", share=50, min_share=0.5, max_share=0.5),
+    )
+    runner = make_runner(PolicyName.MISA, classes)
+    teach(runner, "a", 1000, 1.0)
+    teach(runner, "b", 2000, 1.0)
+    eng = engines(1, capacity=40_000)
+    placed = fill(runner, "a", eng, 40) + fill(runner, "b", eng, 40)
+    assert placed_count([p for p in placed if p[0].workload_class == "a"]) == 20
+    assert placed_count([p for p in placed if p[0].workload_class == "b"]) == 10
+
+
+@pytest.mark.parametrize(
+    ("policy", "expected_agentic_share"),
+    [(PolicyName.MISA, 0.5), (PolicyName.MISA_T, 0.8)],
+    ids=["misa-no-time-factor", "misa-t-residency-4x"],
+)
+def test_agentic_residency_raises_its_budget_share(policy: PolicyName, expected_agentic_share: float) -> None:
+    runner = make_runner(policy)
+    teach(runner, "rlvr", 1000, duration=10.0)
+    teach(runner, "agentic", 1000, duration=40.0)
+    eng = engines(1, capacity=100_000)
+    # Equal unfinished demand per class: 200 each, far above what fits.
+    fill(runner, "rlvr", eng, 200)
+    fill(runner, "agentic", eng, 200)
+    desc = runner.policy.describe()
+    runner.on_metrics(eng, 11.0)
+    desc = runner.policy.describe()
+    budgets = desc["engines"]["e0"]["classes"]  # type: ignore[index]
+    share = budgets["agentic"]["budget_tokens"] / (budgets["agentic"]["budget_tokens"] + budgets["rlvr"]["budget_tokens"])
+    assert share == pytest.approx(expected_agentic_share, abs=0.02)
+
+
+def test_continuations_are_admitted_at_the_cap() -> None:
+    classes = (ClassSpec(name="agentic", share=100, multi_turn=True),)
+    runner = make_runner(PolicyName.MISA_T, classes)
+    teach(runner, "agentic", 1000, 1.0)
+    eng = engines(1, capacity=5_000)
+    first = fill(runner, "agentic", eng, 5)
+    assert placed_count(first) == 5
+    held_new = runner.submit(req("agentic", session="fresh"), eng, 11.0)
+    assert held_new.reason is Reason.HOLD_SESSION_CAP
+    live_session = first[0][0]
+    runner.finish(live_session, "e0", Completion(100, 10), 11.0)
+    cont = runner.submit(req("agentic", session=live_session.session_id, turn=1), eng, 12.0)
+    assert cont.placed and cont.engine_id == "e0" and cont.reason is Reason.CONTINUATION
+
+
+def test_held_work_released_in_order_when_room_appears() -> None:
+    classes = (ClassSpec(name="rlvr", share=100),)
+    runner = make_runner(PolicyName.MISA_T, classes)
+    teach(runner, "rlvr", 1000, 1.0)
+    eng = engines(1, capacity=3_000)
+    placed = fill(runner, "rlvr", eng, 3)
+    waiting = fill(runner, "rlvr", eng, 5)
+    assert all(not d.placed for _, d in waiting)
+    order = []
+    for i, (r, d) in enumerate(placed):
+        runner.finish(r, d.engine_id, Completion(500, 500), 20.0 + i)
+        order += [x.request_id for x, _ in runner.release(eng, 20.0 + i)]
+    assert order == [r.request_id for r, _ in waiting[:3]]
+    assert [e.req.request_id for e in runner.held()] == [r.request_id for r, _ in waiting[3:]]
+
+
+def test_stale_metrics_never_over_admit() -> None:
+    """A snapshot that shows an idle engine long after admissions does not open room."""
+    classes = (ClassSpec(name="rlvr", share=100),)
+    runner = make_runner(PolicyName.SESSION_ADMISSION, classes)
+    teach(runner, "rlvr", 1000, 1.0)
+    stale = engines(1, capacity=4_000, num_running=0, scraped_at=0.0)
+    runner.on_metrics(stale, 5.0)
+    assert placed_count(fill(runner, "rlvr", stale, 10, now=50.0)) == 4
+
+
+def test_load_not_placed_by_this_router_counts() -> None:
+    classes = (ClassSpec(name="rlvr", share=100),)
+    runner = make_runner(PolicyName.SESSION_ADMISSION, classes)
+    teach(runner, "rlvr", 1000, 1.0)
+    busy = engines(1, capacity=10_000, num_running=7, scraped_at=9.0)
+    assert placed_count(fill(runner, "rlvr", busy, 10, now=10.0)) == 3
+
+
+def _feed_hits(runner: PolicyRunner, eng_id: str, rates: list[float], t0: float, state: dict) -> list[float]:
+    """Feed one scrape per rate with 1,000 looked-up tokens each; return the guard's factor after each."""
+    factors = []
+    for i, rate in enumerate(rates):
+        state["q"] += 1000
+        state["h"] += 1000 * rate
+        snap = EngineSnapshot(eng_id, kv_capacity_tokens=10_000, prefix_queries_total=state["q"],
+                              prefix_hits_total=state["h"], scraped_at=t0 + i)
+        runner.on_metrics({eng_id: snap}, t0 + i)
+        factors.append(runner.policy.guards[eng_id].factor)  # type: ignore[attr-defined]
+    return factors
+
+
+def test_hit_rate_drop_cuts_new_session_cap_only_after_confirmation_then_recovers() -> None:
+    adm = SessionAdmissionSettings(confirm_epochs=3, hit_ewma_alpha=1.0, recovery_per_epoch=0.1)
+    runner = make_runner(PolicyName.MISA_T, admission=adm)
+    state = {"q": 0.0, "h": 0.0}
+    factors = _feed_hits(runner, "e0", [0.9] * 5, 0.0, state)
+    assert factors == [1.0] * 5
+    factors = _feed_hits(runner, "e0", [0.5, 0.5], 10.0, state)
+    assert factors == [1.0, 1.0], "two degraded samples are not yet a confirmation"
+    factors = _feed_hits(runner, "e0", [0.5], 20.0, state)
+    assert factors[0] < 1.0
+    cut = factors[0]
+    policy = runner.policy
+    snap = EngineSnapshot("e0", kv_capacity_tokens=10_000)
+    assert policy.new_session_cap("e0", snap, 1000.0) < policy.session_cap(snap, 1000.0)  # type: ignore[attr-defined]
+    factors = _feed_hits(runner, "e0", [0.9] * 20, 30.0, state)
+    assert factors[0] > cut and factors[-1] == 1.0
+
+
+def test_single_noisy_sample_does_not_cut() -> None:
+    adm = SessionAdmissionSettings(confirm_epochs=3, hit_ewma_alpha=1.0)
+    runner = make_runner(PolicyName.MISA_T, admission=adm)
+    state = {"q": 0.0, "h": 0.0}
+    factors = _feed_hits(runner, "e0", [0.9, 0.9, 0.2, 0.9, 0.2, 0.9, 0.9], 0.0, state)
+    assert factors == [1.0] * 7
+
+
+def test_quiet_engine_samples_do_not_count() -> None:
+    adm = SessionAdmissionSettings(confirm_epochs=1, hit_ewma_alpha=1.0, min_queries_per_epoch=5000)
+    runner = make_runner(PolicyName.MISA_T, admission=adm)
+    state = {"q": 0.0, "h": 0.0}
+    factors = _feed_hits(runner, "e0", [0.9, 0.1, 0.1], 0.0, state)
+    assert factors == [1.0, 1.0, 1.0]
+
+
+def test_prefix_affinity_sends_group_samples_together() -> None:
+    classes = (ClassSpec(name="rlvr", share=100),)
+    runner = make_runner(PolicyName.MISA_T, classes)
+    eng = engines(4, capacity=10**7)
+    shared = tuple(range(4096))
+    first = runner.submit(RequestMeta("g0", "rlvr", prompt_token_ids=shared, prompt_tokens=4096), eng, 0.0)
+    second = runner.submit(RequestMeta("g1", "rlvr", prompt_token_ids=shared, prompt_tokens=4096), eng, 0.0)
+    assert second.engine_id == first.engine_id
+    assert second.scores["hit_tokens"] == 4096
+
+
+def test_engine_removed_releases_its_sessions_and_continuation_moves() -> None:
+    classes = (ClassSpec(name="agentic", share=100, multi_turn=True),)
+    runner = make_runner(PolicyName.MISA_T, classes)
+    eng = engines(2, capacity=10**6)
+    r = req("agentic", session="s-1")
+    d = runner.submit(r, eng, 0.0)
+    runner.finish(r, d.engine_id, Completion(10, 10), 1.0)  # type: ignore[arg-type]
+    runner.remove_engine(d.engine_id, 2.0)  # type: ignore[arg-type]
+    policy = runner.policy
+    assert policy.engine_sessions.get(d.engine_id, 0) == 0  # type: ignore[attr-defined]
+    survivors = {k: v for k, v in eng.items() if k != d.engine_id}
+    cont = runner.submit(req("agentic", session="s-1", turn=1), survivors, 3.0)
+    assert cont.placed and cont.reason is Reason.CONTINUATION_MOVED
+
+
+def test_router_restart_reattaches_continuations() -> None:
+    classes = (ClassSpec(name="agentic", share=100, multi_turn=True),)
+    runner = make_runner(PolicyName.MISA_T, classes)
+    teach(runner, "agentic", 1000, 1.0)
+    eng = engines(1, capacity=2_000)
+    assert placed_count(fill(runner, "agentic", eng, 2)) == 2
+    d = runner.submit(req("agentic", session="from-before-restart", turn=7), eng, 11.0)
+    assert d.placed and d.reason is Reason.CONTINUATION_MOVED
+
+
+def test_no_healthy_engine_holds() -> None:
+    runner = make_runner()
+    eng = {"e0": EngineSnapshot("e0", healthy=False, kv_capacity_tokens=10_000)}
+    assert runner.submit(req("rlvr"), eng, 0.0).reason is Reason.HOLD_NO_ENGINE
+
+
+def test_pause_holds_everything_and_resume_releases() -> None:
+    runner = make_runner()
+    eng = engines(1)
+    runner.paused = True
+    d = runner.submit(req("rlvr"), eng, 0.0)
+    assert d.reason is Reason.HOLD_PAUSED
+    assert runner.release(eng, 1.0) == []
+    runner.paused = False
+    assert len(runner.release(eng, 2.0)) == 1
+
+
+def test_mixture_counts_units_and_tv_distance() -> None:
+    runner = make_runner()
+    eng = engines(1, capacity=10**7)
+    for _ in range(3):
+        r = req("rlvr")
+        d = runner.submit(r, eng, 0.0)
+        runner.finish(r, d.engine_id, Completion(10, 10), 1.0)  # type: ignore[arg-type]
+    a = req("agentic", session="traj")
+    d = runner.submit(a, eng, 0.0)
+    runner.finish(a, d.engine_id, Completion(10, 10), 1.0)  # type: ignore[arg-type]
+    assert runner.mixture.completed == {"rlvr": 3, "agentic": 0}
+    runner.end_session("traj", 2.0)
+    assert runner.mixture.completed == {"rlvr": 3, "agentic": 1}
+    assert runner.mixture.tv_points() == pytest.approx(25.0)
+
+
+def test_idle_multi_turn_session_expires() -> None:
+    adm = SessionAdmissionSettings(session_idle_timeout_s=30.0)
+    runner = make_runner(admission=adm)
+    eng = engines(1, capacity=10**7)
+    a = req("agentic", session="idle")
+    d = runner.submit(a, eng, 0.0)
+    runner.finish(a, d.engine_id, Completion(10, 10), 1.0)  # type: ignore[arg-type]
+    runner.epoch(eng, 20.0)
+    assert "idle" in runner.sessions
+    runner.epoch(eng, 31.0)
+    assert "idle" not in runner.sessions and runner.sessions_ended_idle == 1

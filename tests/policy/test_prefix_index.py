@@ -1,0 +1,85 @@
+"""The router's prefix index: block-chained keys, bitmask matching, LRU trimming."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from misat_router.policy.prefix_index import PrefixIndex, PromptKeys, prompt_keys, token_block_keys
+from misat_router.policy.settings import PrefixIndexSettings
+from misat_router.policy.types import RequestMeta
+
+S = PrefixIndexSettings(block_size=4, text_chunk_chars=8, chars_per_token=4.0)
+
+
+def keys(ids: list[int]) -> PromptKeys:
+    return prompt_keys(RequestMeta("r", "c", prompt_token_ids=tuple(ids)), S)
+
+
+def test_only_full_blocks_are_keyed_and_keys_chain() -> None:
+    assert token_block_keys(tuple(range(3)), 4) == ()
+    a = token_block_keys((1, 2, 3, 4, 5, 6, 7, 8), 4)
+    b = token_block_keys((9, 9, 9, 9, 5, 6, 7, 8), 4)
+    assert len(a) == 2 and a[1] != b[1], "same block after a different parent must differ"
+
+
+def test_match_counts_leading_blocks_per_engine() -> None:
+    idx = PrefixIndex(S)
+    idx.insert(keys(list(range(12))), "a")
+    idx.insert(keys(list(range(8)) + [99, 99, 99, 99]), "b")
+    got = idx.match(keys(list(range(16))), ["a", "b", "c"])
+    assert got == {"a": 12.0, "b": 8.0, "c": 0.0}
+
+
+def test_lru_trim_drops_oldest_keys_of_that_engine_only() -> None:
+    idx = PrefixIndex(S)
+    idx.insert(keys([1] * 8), "a")
+    idx.insert(keys([1] * 8), "b")
+    idx.insert(keys([2] * 8), "a")
+    idx.set_limit("a", 2)
+    assert idx.size("a") == 2
+    assert idx.match(keys([1] * 8), ["a", "b"]) == {"a": 0.0, "b": 8.0}
+    assert idx.match(keys([2] * 8), ["a"]) == {"a": 8.0}
+
+
+def test_text_prompts_match_in_chunks_converted_to_tokens() -> None:
+    idx = PrefixIndex(S)
+    text = "system: you are a helpful agent. user: fix the failing test please"
+    idx.insert(prompt_keys(RequestMeta("r", "c", prompt_text=text), S), "a")
+    probe = prompt_keys(RequestMeta("r2", "c", prompt_text=text[:40] + " something else entirely"), S)
+    assert idx.match(probe, ["a"])["a"] == 40 / 8 * 8 / 4.0  # 5 chunks of 8 chars, 2 tokens each
+
+
+def test_clear_and_remove_engine_free_keys() -> None:
+    idx = PrefixIndex(S)
+    idx.insert(keys(list(range(8))), "a")
+    idx.insert(keys(list(range(8))), "b")
+    idx.remove_engine("a")
+    assert idx.match(keys(list(range(8))), ["a", "b"]) == {"a": 0.0, "b": 8.0}
+    idx.insert(keys(list(range(8))), "c")  # reuses a's bit
+    idx.clear()
+    assert idx.match(keys(list(range(8))), ["b", "c"]) == {"b": 0.0, "c": 0.0}
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    inserts=st.lists(
+        st.tuples(st.sampled_from("abc"), st.lists(st.integers(0, 3), max_size=24)), max_size=12
+    ),
+    probe=st.lists(st.integers(0, 3), max_size=24),
+)
+def test_match_equals_longest_common_full_block_prefix(inserts: list, probe: list[int]) -> None:
+    idx = PrefixIndex(S)
+    for engine, ids in inserts:
+        idx.insert(keys(ids), engine)
+    got = idx.match(keys(probe), ["a", "b", "c"])
+    for engine in "abc":
+        best = 0
+        for e, ids in inserts:
+            if e != engine:
+                continue
+            n = 0
+            while n < min(len(ids), len(probe)) and ids[n] == probe[n]:
+                n += 1
+            best = max(best, (n // 4) * 4)
+        assert got[engine] == best

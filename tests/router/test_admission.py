@@ -1,0 +1,194 @@
+"""HOLD, release, deadlines, disconnects and engine failures through the live service."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import aiohttp
+
+from .conftest import MODEL, WAIT_S, FakeEngine
+
+LIMIT_ONE = {"concurrency_limit": 1}
+
+
+async def post(http: aiohttp.ClientSession, url: str, prompt: list[int], cls: str = "rlvr",
+               **body: object) -> tuple[int, bytes, dict[str, str]]:
+    async with http.post(url + "/v1/completions",
+                         json={"model": MODEL, "prompt": prompt, "max_tokens": 1, **body},
+                         headers={"X-Rollout-Class": cls}) as r:
+        return r.status, await r.read(), dict(r.headers)
+
+
+async def test_held_requests_are_released_in_arrival_order(
+    engines: list[FakeEngine], make_router
+) -> None:
+    eng = engines[0]
+    eng.gate = asyncio.Event()
+    h = await make_router([eng], policy=LIMIT_ONE)
+    async with aiohttp.ClientSession() as http:
+        first = asyncio.create_task(post(http, h.url, [0]))
+        await eng.wait_arrivals(1)
+        held = []
+        for i in range(1, 4):
+            held.append(asyncio.create_task(post(http, h.url, [i])))
+            await h.wait(lambda i=i: h.state.runner.held_count() == i)
+        assert [e.reason.value for e in h.state.runner.held()] == [
+            "concurrency_limit", "queued_behind", "queued_behind"]
+        assert len(eng.requests) == 1  # nothing held reached the engine
+        eng.gate.set()
+        results = await asyncio.gather(first, *held)
+    assert [status for status, _, _ in results] == [200] * 4
+    assert [r["prompt"] for r in eng.requests] == [[0], [1], [2], [3]]
+    assert h.state.runner.held_count() == 0
+    metrics = h.state.metrics.render().decode()
+    assert 'misat_requests_held_total{class="rlvr",reason="concurrency_limit"} 1.0' in metrics
+    assert 'misat_hold_wait_seconds_count{class="rlvr",outcome="placed"} 3.0' in metrics
+
+
+async def test_hold_deadline_gives_503_with_retry_after(
+    engines: list[FakeEngine], make_router
+) -> None:
+    eng = engines[0]
+    eng.gate = asyncio.Event()
+    h = await make_router([eng], policy=LIMIT_ONE, hold_deadline_s=0.2, hold_retry_after_s=7)
+    async with aiohttp.ClientSession() as http:
+        first = asyncio.create_task(post(http, h.url, [0]))
+        await eng.wait_arrivals(1)
+        status, body, headers = await post(http, h.url, [1])
+        assert status == 503
+        assert headers["Retry-After"] == "7"
+        import json
+
+        err = json.loads(body)["error"]
+        assert err["code"] == "hold_deadline_exceeded" and err["message"]
+        assert h.state.runner.held_count() == 0
+        eng.gate.set()
+        assert (await first)[0] == 200
+    assert [r["prompt"] for r in eng.requests] == [[0]]
+    metrics = h.state.metrics.render().decode()
+    assert 'misat_requests_total{class="rlvr",outcome="hold_deadline"} 1.0' in metrics
+
+
+async def test_client_disconnect_while_held_frees_the_slot(
+    engines: list[FakeEngine], make_router
+) -> None:
+    eng = engines[0]
+    eng.gate = asyncio.Event()
+    h = await make_router([eng], policy=LIMIT_ONE)
+    async with aiohttp.ClientSession() as http:
+        first = asyncio.create_task(post(http, h.url, [0]))
+        await eng.wait_arrivals(1)
+        async with aiohttp.ClientSession() as impatient:
+            gone = asyncio.create_task(post(impatient, h.url, [1]))
+            await h.wait(lambda: h.state.runner.held_count() == 1)
+            gone.cancel()
+        await h.wait(lambda: h.state.runner.held_count() == 0)
+        # The class queue is free again: the next request is not stuck behind a ghost.
+        nxt = asyncio.create_task(post(http, h.url, [2]))
+        await h.wait(lambda: h.state.runner.held_count() == 1)
+        assert h.state.runner.held()[0].reason.value == "concurrency_limit"
+        eng.gate.set()
+        assert (await first)[0] == 200 and (await nxt)[0] == 200
+    assert [r["prompt"] for r in eng.requests] == [[0], [2]]
+    metrics = h.state.metrics.render().decode()
+    assert 'misat_requests_total{class="rlvr",outcome="client_disconnect"} 1.0' in metrics
+
+
+async def test_client_disconnect_mid_stream_releases_the_placement(
+    engines: list[FakeEngine], make_router
+) -> None:
+    eng = engines[0]
+    eng.mid_stream_gate = asyncio.Event()
+    h = await make_router([eng], policy=LIMIT_ONE)
+    async with aiohttp.ClientSession() as http:
+        resp = await http.post(h.url + "/v1/completions",
+                               json={"model": MODEL, "prompt": [1], "max_tokens": 3,
+                                     "stream": True},
+                               headers={"X-Rollout-Class": "rlvr"})
+        first = await resp.content.readuntil(b"\n\n")
+        assert first.startswith(b"data: ")
+        assert len(h.state.dispatcher.in_flight) == 1
+        resp.close()  # the client goes away mid-stream
+        await h.wait(lambda: not h.state.dispatcher.in_flight)
+        await eng.wait_cancelled(1)  # the router closed its upstream: the engine aborts
+        # The one slot is free for the next request.
+        assert (await post(http, h.url, [2]))[0] == 200
+    eng.mid_stream_gate.set()
+
+
+async def test_engine_death_is_retried_elsewhere_and_leaves_rotation(
+    engines: list[FakeEngine], make_router
+) -> None:
+    a, b = engines
+    # Slow health checks: only the proxy path can notice the death here.
+    h = await make_router(engines, health_interval_s=30.0)
+    await a.die()
+    async with aiohttp.ClientSession() as http:
+        results = [await post(http, h.url, [i]) for i in range(3)]
+    assert [status for status, _, _ in results] == [200] * 3
+    assert {hdrs["X-Misat-Engine"] for _, _, hdrs in results} == {b.url}
+    assert len(b.requests) == 3
+    assert h.state.registry.get(a.url).healthy is False  # type: ignore[union-attr]
+    assert h.state.dispatcher.in_flight == {}
+    metrics = h.state.metrics.render().decode()
+    assert f'misat_engine_connection_failures_total{{engine="{a.url}"}} 1.0' in metrics
+    assert 'misat_requests_total{class="rlvr",outcome="retried"} 1.0' in metrics
+
+
+async def test_failing_health_leaves_rotation_within_two_seconds_and_returns(
+    engines: list[FakeEngine], make_router
+) -> None:
+    a, b = engines
+    # Production defaults for health checking.
+    h = await make_router(engines, health_interval_s=0.5, health_timeout_s=0.4,
+                          unhealthy_after_failures=2)
+    a.healthy = False
+    t0 = time.monotonic()
+    await h.wait(lambda: not h.state.registry.get(a.url).healthy)  # type: ignore[union-attr]
+    assert time.monotonic() - t0 < 2.0
+    async with aiohttp.ClientSession() as http:
+        for i in range(2):
+            assert (await post(http, h.url, [i]))[2]["X-Misat-Engine"] == b.url
+        a.healthy = True
+        await h.wait(lambda: h.state.registry.get(a.url).healthy)  # type: ignore[union-attr]
+        served = {(await post(http, h.url, [i]))[2]["X-Misat-Engine"] for i in range(2)}
+    assert served == {a.url, b.url}
+
+
+async def test_engine_breaking_mid_stream_ends_stream_with_error_event(
+    engines: list[FakeEngine], make_router
+) -> None:
+    eng = engines[0]
+    eng.break_stream_after = 1
+    h = await make_router([eng])
+    async with aiohttp.ClientSession() as http:
+        async with http.post(h.url + "/v1/completions",
+                             json={"model": MODEL, "prompt": [1], "max_tokens": 3, "stream": True},
+                             headers={"X-Rollout-Class": "rlvr"}) as r:
+            assert r.status == 200
+            body = await asyncio.wait_for(r.read(), WAIT_S)
+    events = [e for e in body.split(b"\n\n") if e.strip()]
+    assert events[0].startswith(b'data: {"id"')
+    assert b'"type": "upstream_error"' in events[-2]
+    assert events[-1] == b"data: [DONE]"
+    assert h.state.dispatcher.in_flight == {}
+    metrics = h.state.metrics.render().decode()
+    assert 'misat_requests_total{class="rlvr",outcome="upstream_failed"} 1.0' in metrics
+
+
+async def test_no_healthy_engine_holds_until_one_appears(
+    engines: list[FakeEngine], make_router
+) -> None:
+    eng = engines[0]
+    h = await make_router([eng])
+    eng.healthy = False
+    await h.wait(lambda: h.state.registry.healthy_count() == 0)
+    async with aiohttp.ClientSession() as http:
+        async with http.get(h.url + "/ready") as r:
+            assert r.status == 503
+        task = asyncio.create_task(post(http, h.url, [1]))
+        await h.wait(lambda: h.state.runner.held_count() == 1)
+        assert h.state.runner.held()[0].reason.value == "no_healthy_engine"
+        eng.healthy = True
+        assert (await task)[0] == 200
