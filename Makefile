@@ -22,7 +22,7 @@ test: $(STAMP) lint
 	$(VENV)/bin/pytest
 
 demo: $(STAMP)
-	$(VENV)/bin/misat demo
+	$(VENV)/bin/misat replay
 
 microbench: $(STAMP)
 	$(PY) bench/policy_microbench.py

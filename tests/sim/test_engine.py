@@ -1,0 +1,106 @@
+"""Engine model: determinism, EOS, aborts, profiles and config resolution."""
+
+from __future__ import annotations
+
+import pytest
+
+from misat_sim.config import SimEngineConfig
+from misat_sim.profiles import PROFILES, QWEN30B_KV_TOKENS
+from misat_sim.request import FinishReason
+from misat_sim.scale import DEFAULT_LENGTH_SCALE
+
+
+def _load(e, seed_prompts: int = 6) -> None:
+    for i in range(seed_prompts):
+        e.add_request(f"r{i}", list(range(10, 30 + 9 * i)), 20 + 5 * i, ignore_eos=False, arrival_time=0.1 * i)
+
+
+def test_same_seed_gives_same_tokens_and_finish_order(make_engine, drain) -> None:
+    runs = []
+    for _ in range(2):
+        e = make_engine(seed=7)
+        _load(e)
+        runs.append([(f.request_id, f.output_token_ids, f.finish_time) for f in drain(e)])
+    assert runs[0] == runs[1]
+    other = make_engine(seed=8)
+    _load(other)
+    assert [f.output_token_ids for f in drain(other)] != [ids for _, ids, _ in runs[0]]
+
+
+def test_identical_prompts_sample_differently_unless_greedy(make_engine, drain) -> None:
+    e = make_engine()
+    for rid in ("a", "b"):
+        e.add_request(rid, [5, 6, 7], 8, ignore_eos=True, arrival_time=0.0)
+    for rid in ("g1", "g2"):
+        e.add_request(rid, [5, 6, 7], 8, ignore_eos=True, arrival_time=0.0, greedy=True)
+    out = {f.request_id: f.output_token_ids for f in drain(e)}
+    assert out["a"] != out["b"]
+    assert out["g1"] == out["g2"]
+
+
+def test_eos_stops_a_request_unless_ignored(make_engine, drain) -> None:
+    # A tiny vocabulary makes a sampled EOS likely within 200 tokens.
+    e = make_engine()
+    eos = e.limits.eos_token_id
+    for i in range(20):
+        e.add_request(f"s{i}", [10 + i, 11], 200, ignore_eos=False, arrival_time=0.0)
+        e.add_request(f"i{i}", [10 + i, 12], 200, ignore_eos=True, arrival_time=0.0)
+    done = {f.request_id: f for f in drain(e)}
+    stopped = [f for rid, f in done.items() if rid.startswith("s") and f.finish_reason is FinishReason.STOP]
+    assert stopped, "no request hit EOS"
+    for f in stopped:
+        assert f.output_token_ids[-1] == eos and eos not in f.output_token_ids[:-1]
+        assert len(f.output_token_ids) < 200
+    for i in range(20):
+        assert done[f"i{i}"].finish_reason is FinishReason.LENGTH
+        assert len(done[f"i{i}"].output_token_ids) == 200
+
+
+def test_max_model_len_caps_output(make_engine, drain) -> None:
+    e = make_engine(max_model_len=40)
+    e.add_request("a", list(range(10, 30)), 20, ignore_eos=True, arrival_time=0.0)
+    (f,) = drain(e)
+    assert f.finish_reason is FinishReason.LENGTH and len(f.output_token_ids) == 20
+
+
+def test_abort_frees_blocks_and_counts(make_engine) -> None:
+    e = make_engine()
+    e.add_request("a", list(range(10, 50)), 100, ignore_eos=True, arrival_time=0.0)
+    e.step(0.0)
+    assert e.kv_cache_usage() > 0
+    assert e.abort_request("a") is True
+    assert e.kv_cache_usage() == 0.0 and not e.has_unfinished_requests()
+    assert e.counters.request_success["abort"] == 1
+    assert e.abort_request("a") is False
+
+
+def test_step_times_grow_with_work(make_engine) -> None:
+    e = make_engine()
+    idle = e.step(0.0)
+    assert idle.num_steps == 0 and idle.duration == 0.0
+    e.add_request("a", list(range(10, 70)), 4, ignore_eos=True, arrival_time=0.0)
+    prefill = e.step(0.0)
+    decode = e.step(prefill.end)
+    assert prefill.duration > decode.duration > e.limits.step_time.fixed_overhead_s
+
+
+def test_length_scale_applies_to_kv_and_context_but_not_tiny_cpu() -> None:
+    q = SimEngineConfig(profile="qwen30b-a3b-h100").resolve()
+    assert q.length_scale == DEFAULT_LENGTH_SCALE
+    assert q.max_model_len == 131072 // 16
+    assert q.num_gpu_blocks == int(QWEN30B_KV_TOKENS * DEFAULT_LENGTH_SCALE) // 16
+    base = PROFILES["qwen30b-a3b-h100"].step_time.kv_read_s_per_token
+    assert q.step_time.kv_read_s_per_token == pytest.approx(base * 16)
+    t = SimEngineConfig(profile="tiny-cpu").resolve()
+    assert (t.length_scale, t.block_size, t.max_model_len) == (1.0, 128, 2048)
+
+
+def test_profiles_are_frozen_and_unknown_names_fail() -> None:
+    with pytest.raises(ValueError, match="unknown engine profile"):
+        SimEngineConfig(profile="nope").resolve()
+    with pytest.raises(ValueError, match="smaller than max_model_len"):
+        SimEngineConfig(profile="tiny-cpu", num_gpu_blocks=4).resolve()
+    p = PROFILES["step3.7-h200"]
+    with pytest.raises(Exception):  # noqa: B017 - pydantic frozen instance error
+        p.block_size = 32  # type: ignore[misc]
+    assert 1_000_000 < p.kv_capacity_tokens < 1_600_000
