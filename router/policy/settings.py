@@ -146,14 +146,11 @@ class SessionAdmissionSettings(_Settings):
         description="Seconds between re-evaluations of held work and of the hit-rate guard "
         "(project default; about two scrapes).",
     )
-    reference_percentile: Percentile = Field(
-        50.0,
-        description="Percentile of recent completed-session footprints (all classes) that sets "
-        "the per-engine cap K_w = floor(C_w * budget / reference).",
-    )
-    reference_window: int = Field(512, ge=1, description="Completed sessions in the moving reference.")
     min_sessions_per_engine: int = Field(
-        1, ge=1, description="K_w never falls below this, so every engine keeps making progress."
+        1, ge=1,
+        description="K_w never falls below this, so every engine keeps making progress. K_w = "
+        "floor(C_w * budget / k_ref), k_ref = the class footprints k_b averaged over the "
+        "unfinished (live + held) sessions: how many sessions of today's size fit.",
     )
     max_sessions_per_engine: int = Field(
         4096, ge=1, description="Upper bound on K_w (guards against a tiny reference footprint)."
@@ -211,7 +208,11 @@ class CacheAwareSettings(_Settings):
 class PolicySettings(_Settings):
     """The policy and all of its knobs; the router config and RolloutPool carry this."""
 
-    name: PolicyName = PolicyName.MISA_T
+    name: PolicyName = Field(
+        PolicyName.MISA_T,
+        description="misa-t, misa, session-admission (MISA-T and its ablations), cache-aware (the "
+        "vLLM Router's policy), least-loaded or round-robin.",
+    )
     kv_budget_fraction: Fraction = Field(
         0.9,
         description="Share of each engine's KV the router may allocate to sessions (project "

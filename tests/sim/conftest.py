@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from misat_sim.config import SimEngineConfig
 from misat_sim.engine import SimEngine
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from misat_sim.config import SimEngineConfig
 from misat_sim.profiles import PROFILES, QWEN30B_KV_TOKENS
 from misat_sim.request import FinishReason
@@ -12,7 +11,9 @@ from misat_sim.scale import DEFAULT_LENGTH_SCALE
 
 def _load(e, seed_prompts: int = 6) -> None:
     for i in range(seed_prompts):
-        e.add_request(f"r{i}", list(range(10, 30 + 9 * i)), 20 + 5 * i, ignore_eos=False, arrival_time=0.1 * i)
+        e.add_request(
+            f"r{i}", list(range(10, 30 + 9 * i)), 20 + 5 * i, ignore_eos=False, arrival_time=0.1 * i
+        )
 
 
 def test_same_seed_gives_same_tokens_and_finish_order(make_engine, drain) -> None:

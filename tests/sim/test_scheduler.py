@@ -5,7 +5,6 @@ from __future__ import annotations
 import random
 
 import pytest
-
 from misat_sim.request import RequestStatus
 
 
@@ -68,7 +67,9 @@ def test_preemption_takes_the_newest_running_request_and_recomputes_it(make_engi
 
 
 def test_preempted_request_is_recomputed_with_its_output_tokens(make_engine) -> None:
-    e = make_engine(num_gpu_blocks=7, max_model_len=24, max_num_batched_tokens=64, enable_prefix_caching=False)
+    e = make_engine(
+        num_gpu_blocks=7, max_model_len=24, max_num_batched_tokens=64, enable_prefix_caching=False
+    )
     e.add_request("old", _prompt(4, 10), 12, ignore_eos=True, arrival_time=0.0)
     e.add_request("new", _prompt(4, 50), 12, ignore_eos=True, arrival_time=0.0)
     t = 0.0
@@ -86,7 +87,7 @@ def test_prefix_hits_are_counted_in_whole_blocks_when_first_admitted(make_engine
     e.add_request("a", _prompt(10), 2, ignore_eos=True, arrival_time=0.0)
     drain(e)
     q0 = e.sync_counters().prefix_cache_queries
-    e.add_request("b", _prompt(10) + [7, 7], 2, ignore_eos=True, arrival_time=1.0)
+    e.add_request("b", [*_prompt(10), 7, 7], 2, ignore_eos=True, arrival_time=1.0)
     (fin,) = drain(e)
     c = e.sync_counters()
     assert c.prefix_cache_queries - q0 == 12
@@ -105,8 +106,9 @@ def test_a_fully_cached_prompt_still_recomputes_its_last_block(make_engine, drai
 
 def _multi_turn_hit_rate(make_engine, sessions: int) -> tuple[float, int]:
     """Closed-loop multi-turn sessions with growing shared contexts on one small KV."""
-    e = make_engine(block_size=16, num_gpu_blocks=121, max_model_len=1600, max_num_seqs=64,
-                    max_num_batched_tokens=512)  # fmt: skip
+    e = make_engine(
+        block_size=16, num_gpu_blocks=121, max_model_len=1600, max_num_seqs=64, max_num_batched_tokens=512
+    )
     rng = random.Random(1)
     contexts = {s: [rng.randrange(3, 2000) for _ in range(200)] for s in range(sessions)}
     turns = dict.fromkeys(contexts, 0)
@@ -138,8 +140,9 @@ def test_collapse_hit_rate_falls_and_preemptions_rise_when_sessions_oversubscrib
 def test_advance_matches_stepping_one_by_one(make_engine, drain, caching: bool) -> None:
     def load(e) -> None:
         for i in range(12):
-            e.add_request(f"r{i}", _prompt(5 + 7 * i, 10 + (i % 3)), 5 + 13 * i, ignore_eos=i % 2 == 0,
-                          arrival_time=0.0)  # fmt: skip
+            e.add_request(
+                f"r{i}", _prompt(5 + 7 * i, 10 + (i % 3)), 5 + 13 * i, ignore_eos=i % 2 == 0, arrival_time=0.0
+            )
 
     a = make_engine(num_gpu_blocks=40, max_model_len=150, enable_prefix_caching=caching)
     b = make_engine(num_gpu_blocks=40, max_model_len=150, enable_prefix_caching=caching)
