@@ -88,11 +88,6 @@ def main() -> None:
 
     shared = tuple(rng.randrange(50_000) for _ in range(2000))
 
-    def new_session() -> None:
-        ids = shared + tuple(rng.randrange(50_000) for _ in range(2000))
-        policy.decide(RequestMeta(f"n{next(counter)}", "rlvr", prompt_token_ids=ids, prompt_tokens=4000),
-                      engines, 20.0)
-
     # Prompt construction is the client's cost, not the decision's: build ids outside the timer.
     prompts = [shared + tuple(rng.randrange(50_000) for _ in range(2000)) for _ in range(256)]
 
@@ -101,10 +96,10 @@ def main() -> None:
         policy.decide(RequestMeta(f"n{next(counter)}", "rlvr", prompt_token_ids=ids, prompt_tokens=4000),
                       engines, 20.0)
 
-    del new_session
     print(f"engines={args.engines} live_sessions={len(policy.sessions)} "  # type: ignore[attr-defined]
           f"indexed_blocks={sum(policy.index.sizes().values())}")  # type: ignore[attr-defined]
-    for name, fn in [("continuation", continuation), ("new session, 4000-token prompt", new_session_prebuilt)]:
+    cases = [("continuation", continuation), ("new session, 4000-token prompt", new_session_prebuilt)]
+    for name, fn in cases:
         for _ in range(200):
             fn()
         med, p99 = measure(fn, args.iterations)

@@ -21,7 +21,6 @@ All time passed to the policy is ``clock()`` (``time.monotonic`` by default).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -51,7 +50,7 @@ from .metrics import CONTENT_TYPE, Outcome, RouterMetrics
 from .policy.registry import build_policy
 from .policy.runner import PolicyRunner
 from .policy.types import Completion, Decision, RequestMeta
-from .scrape import EngineProbes
+from .scrape import EngineProbes, wait_event
 from .status import RouterStatus, SampleRateMeter, build_status
 
 log = logging.getLogger(__name__)
@@ -212,8 +211,7 @@ class Dispatcher:
         s = self._s
         next_epoch = s.clock() + s.config.policy.admission.epoch_s
         while True:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._kick.wait(), max(0.0, next_epoch - s.clock()))
+            await wait_event(self._kick, max(0.0, next_epoch - s.clock()))
             self._kick.clear()
             try:
                 if s.clock() >= next_epoch:
@@ -233,12 +231,7 @@ class Dispatcher:
             self._waiters.pop(rid, None)
 
     async def wait_idle(self, timeout_s: float) -> bool:
-        try:
-            async with asyncio.timeout(timeout_s):
-                await self._idle.wait()
-        except TimeoutError:
-            return False
-        return True
+        return await wait_event(self._idle, timeout_s)
 
     def held_waiters(self) -> int:
         return len(self._waiters)
@@ -447,8 +440,7 @@ async def resolve_engines_loop(s: RouterState) -> None:
                 log.warning("cannot resolve %s: %s", engines.service.name, exc)
         else:
             s.registry.set_engines(engines.static_urls() or ())
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(s.engines_changed.wait(), engines.resolve_interval_s)
+        await wait_event(s.engines_changed, engines.resolve_interval_s)
 
 
 async def _background_ctx(app: web.Application) -> AsyncIterator[None]:

@@ -17,7 +17,6 @@ read from the current config on every tick, so a reload takes effect at once.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -172,6 +171,21 @@ class EngineProbes:
         await _every(stop, lambda: self._config().scrape_interval_s, self.scrape_tick)
 
 
+async def wait_event(event: asyncio.Event, timeout_s: float) -> bool:
+    """Wait for ``event`` at most ``timeout_s``; True when it was set.
+
+    ``asyncio.timeout`` rather than ``asyncio.wait_for``: on Python 3.11
+    ``wait_for`` can swallow a cancellation that races with the event being
+    set, which leaves a background loop running after shutdown cancelled it.
+    """
+    try:
+        async with asyncio.timeout(timeout_s):
+            await event.wait()
+    except TimeoutError:
+        return False
+    return True
+
+
 async def _every(
     stop: asyncio.Event, interval: Callable[[], float], tick: Callable[[], Awaitable[None]]
 ) -> None:
@@ -181,5 +195,4 @@ async def _every(
             await tick()
         except Exception:  # a probe bug must not stop probing
             log.exception("probe tick failed")
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), timeout=interval())
+        await wait_event(stop, interval())

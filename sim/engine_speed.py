@@ -16,6 +16,7 @@ import argparse
 import heapq
 import random
 import time
+from array import array
 from dataclasses import dataclass
 
 from misat_sim.config import SimEngineConfig
@@ -147,7 +148,7 @@ def measure(
 
 
 def _tokens(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(3, 30000) for _ in range(n)]
+    return [3 + x % 30000 for x in array("I", rng.randbytes(4 * n))]
 
 
 def main(argv: list[str] | None = None) -> int:

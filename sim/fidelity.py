@@ -16,7 +16,7 @@ turn waits for the previous one and its tool call. Prompts share prefixes on
 purpose: session turns extend the previous turn's prompt, GRPO-style groups
 repeat one prompt. Builders are pure and seeded.
 
-Two traces are provided, both for a server with 16 KV blocks of 128 tokens,
+Three traces are provided, all for a server with 16 KV blocks of 128 tokens,
 ``--max-model-len 1024`` and ``--max-num-seqs 8``:
 
 * ``fits``: two GRPO groups and two multi-turn sessions whose working set
@@ -25,12 +25,16 @@ Two traces are provided, both for a server with 16 KV blocks of 128 tokens,
   together; their KV demand (16 x 4 blocks) is four times the cache, so vLLM
   preempts and the waiting queue grows (docs/real-vllm.md, "Making KV
   pressure visible").
+* ``thrash``: the ``fits`` shapes, more of them, interleaved, with long
+  outputs: shared prefixes are evicted before they are reused, so the hit
+  rate falls well below ``fits`` while preemptions and queueing appear.
 
 ``--calibrate`` instead measures the step-time constants of the tiny model
 (fixed overhead per step, time per prefill token, time per decoding sequence)
 that the simulator's ``tiny-cpu`` profile uses.
 
-CLI: ``python -P -m misat_sim.fidelity --base-url URL --trace NAME --json OUT``.
+CLI: ``python -P -m misat_sim.fidelity --base-url URL --trace NAME --json OUT``;
+``--calibrate`` (step-time constants), ``--compare REAL.json SIM.json`` (goals).
 """
 
 from __future__ import annotations
@@ -132,9 +136,13 @@ class RequestRecord(BaseModel):
 class FidelityResult(BaseModel):
     """Figures of one trace replay; the unit of comparison between real and simulated.
 
-    Counter figures are deltas over the run; ``hit_rate`` is
-    ``prefix_cache_hits / prefix_cache_queries`` in tokens, as vLLM counts them
-    (a preempted request that is rescheduled queries the cache again).
+    Peaks come from polling ``/metrics`` and are lower bounds: vLLM's API server
+    can answer a scrape late while it is busy (seen: gaps of 1-4 s on a loaded
+    2-core machine), see ``max_scrape_gap_s``. Counter figures are exact
+    deltas over the run; ``hit_rate`` is
+    ``prefix_cache_hits / prefix_cache_queries`` in tokens, as vLLM 0.32 counts
+    them: only a request's first scheduling counts; a preempted request that is
+    rescheduled is left out of both counters (``PrefixCacheStats.record``).
     ``client_hit_rate`` is the same ratio from the responses' ``cached_tokens``.
     """
 
@@ -153,6 +161,10 @@ class FidelityResult(BaseModel):
     peak_running: float
     peak_kv_usage: float
     scrapes: int
+    max_scrape_gap_s: float = Field(
+        description="longest time between two answered /metrics polls during the run; "
+        "the peaks are only as fine as this (a busy vLLM API server answers late)"
+    )
     completion_order: list[str]
     counters: dict[str, float]
     latency_means_s: dict[str, float]
@@ -249,9 +261,61 @@ def oversubscribed_trace(seed: int = 11) -> Trace:
     )
 
 
+def thrash_trace(seed: int = 13) -> Trace:
+    """Prefix sharing that the KV cache cannot keep: the hit-rate collapse in miniature.
+
+    8 GRPO groups x 4 samples (260 + 200 tokens) released round-robin (sample
+    ``k // 8`` of group ``k % 8`` at ``20 ms x k``, as a trainer interleaves
+    groups), plus 4 sessions x 3 turns (140/270/400 + 200 tokens). With 16
+    blocks only about four 460-token requests fit, and vLLM admits in arrival
+    order, so seven other groups pass through the cache between two samples
+    of one group and evict its prefix: the hit rate falls far below ``fits``
+    (same shapes) while preemptions and queueing appear (docs/misa-t.md).
+    """
+    rng = random.Random(seed)
+    prompts = [_ids(rng, 260) for _ in range(8)]
+    reqs: list[TraceRequest] = [
+        TraceRequest(
+            id=f"g{k % 8}s{k // 8}",
+            kind="grpo",
+            arrival_s=0.02 * k,
+            prompt=prompts[k % 8],
+            max_tokens=200,
+        )
+        for k in range(32)
+    ]
+    for sess in range(4):
+        prompt = _ids(rng, 140)
+        prev: str | None = None
+        for turn in range(3):
+            if turn:
+                prompt = prompt + _ids(rng, 130)
+            rid = f"a{sess}t{turn}"
+            reqs.append(
+                TraceRequest(
+                    id=rid,
+                    kind="session",
+                    arrival_s=0.01 + 0.1 * sess,
+                    prompt=list(prompt),
+                    max_tokens=200,
+                    after=prev,
+                    gap_s=0.1 if prev else 0.0,
+                )
+            )
+            prev = rid
+    return Trace(
+        name="thrash",
+        description="8 GRPO groups x 4 (260+200) round-robin and 4 sessions x 3 turns (140/270/400+200)",
+        seed=seed,
+        server={"num_gpu_blocks": 16, "max_model_len": 1024, "max_num_seqs": 8},
+        requests=sorted(reqs, key=lambda r: (r.arrival_s, r.id)),
+    )
+
+
 TRACES: dict[str, Callable[[], Trace]] = {
     "fits": fits_trace,
     "oversubscribed": oversubscribed_trace,
+    "thrash": thrash_trace,
 }
 
 
@@ -326,12 +390,18 @@ class _Peaks:
         self.running = 0.0
         self.kv_usage = 0.0
         self.scrapes = 0
+        self.max_gap_s = 0.0
+        self._last: float | None = None
 
-    def update(self, metrics: Mapping[str, float]) -> None:
+    def update(self, metrics: Mapping[str, float], at: float | None = None) -> None:
         self.waiting = max(self.waiting, metrics.get(M_WAITING, 0.0))
         self.running = max(self.running, metrics.get(M_RUNNING, 0.0))
         self.kv_usage = max(self.kv_usage, metrics.get(M_KV_USAGE, 0.0))
         self.scrapes += 1
+        if at is not None:
+            if self._last is not None:
+                self.max_gap_s = max(self.max_gap_s, at - self._last)
+            self._last = at
 
 
 async def _poll(
@@ -344,7 +414,7 @@ async def _poll(
     while not stop.is_set():
         # A missed scrape only coarsens the peaks.
         with contextlib.suppress(aiohttp.ClientError):
-            peaks.update(await scrape(session, base_url))
+            peaks.update(await scrape(session, base_url), at=time.monotonic())
         # The poll cadence, not a synchronisation: wakes early when the run ends.
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), timeout=interval_s)
@@ -378,7 +448,10 @@ async def run_trace(
     """Replay ``trace`` against ``base_url`` and measure it (see module docstring)."""
     base_url = base_url.rstrip("/").removesuffix("/v1")
     timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
-    connector = aiohttp.TCPConnector(limit=0)
+    # A fresh connection per request: uvicorn closes idle keep-alive connections
+    # after 5 s, and a session turn sent on one that is just being closed fails
+    # with "Server disconnected" (seen in the thrash trace).
+    connector = aiohttp.TCPConnector(limit=0, force_close=True)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         model = model or await model_name(session, base_url)
         cache_reset = await reset_prefix_cache(session, base_url)
@@ -399,9 +472,7 @@ async def run_trace(
                 await asyncio.sleep(max(0.0, ready - (time.monotonic() - t0)))
             sent = time.monotonic() - t0
             try:
-                body = await complete(
-                    session, base_url, model, req.prompt, req.max_tokens, req.ignore_eos
-                )
+                body = await complete(session, base_url, model, req.prompt, req.max_tokens, req.ignore_eos)
                 usage = body.get("usage") or {}
                 assert isinstance(usage, dict)
                 details = usage.get("prompt_tokens_details") or {}
@@ -414,9 +485,7 @@ async def run_trace(
                     completion_tokens=int(usage.get("completion_tokens", 0)),
                 )
             except (aiohttp.ClientError, RuntimeError, TimeoutError) as exc:
-                rec = RequestRecord(
-                    id=req.id, sent_s=sent, finished_s=time.monotonic() - t0, error=str(exc)
-                )
+                rec = RequestRecord(id=req.id, sent_s=sent, finished_s=time.monotonic() - t0, error=str(exc))
             records[req.id] = rec
             finish_time[req.id] = rec.finished_s
             order.append(req.id)
@@ -452,6 +521,7 @@ async def run_trace(
         peak_running=peaks.running,
         peak_kv_usage=peaks.kv_usage,
         scrapes=peaks.scrapes,
+        max_scrape_gap_s=round(peaks.max_gap_s, 3),
         completion_order=order,
         counters={name: delta(after, before, name) for name in COUNTERS},
         latency_means_s=histogram_means(after, before),
@@ -485,16 +555,24 @@ class Calibration(BaseModel):
 
     Model: one engine step that prefills ``P`` tokens and decodes ``D``
     sequences takes ``step_fixed_s + P * prefill_token_s + D * decode_seq_s``.
-    ``http_overhead_s`` is the client-observed rest (API server, detokenizer,
-    HTTP) of a one-token request, not part of a step.
+    Fitted from the server's own ``vllm:request_decode_time_seconds`` and
+    ``vllm:request_prefill_time_seconds`` histograms (so HTTP and detokenizing
+    are excluded); ``prefill_fixed_s`` is the prefill fit's intercept, a second
+    estimate of the fixed step cost. ``http_overhead_s`` is what a client sees
+    on top of the prefill step for a one-token request (API server, HTTP).
     """
 
     step_fixed_s: float
     decode_seq_s: float
     prefill_token_s: float
+    prefill_fixed_s: float
     http_overhead_s: float
+    repeats: int
     decode_points: dict[int, float] = Field(description="batch size -> step seconds")
-    prefill_points: dict[int, float] = Field(description="prompt tokens -> request seconds")
+    prefill_points: dict[int, float] = Field(description="prompt tokens -> prefill seconds")
+    client_prefill_points: dict[int, float] = Field(
+        description="prompt tokens -> client-observed latency of a 1-token request"
+    )
 
 
 def _fit_line(points: Mapping[int, float]) -> tuple[float, float]:
@@ -510,52 +588,130 @@ async def calibrate(
     batches: tuple[int, ...] = (1, 2, 4, 8),
     prompt_lens: tuple[int, ...] = (64, 256, 512, 768, 960),
     decode_tokens: int = 128,
-    repeats: int = 3,
+    repeats: int = 5,
 ) -> Calibration:
-    """Measure decode step time per batch size and prefill time per prompt length.
+    """Measure decode step time per batch size and prefill step time per prompt length.
 
-    Decode: ``b`` concurrent requests with 16-token prompts; the step time at
-    batch ``b`` is ``(latency(1 + decode_tokens) - latency(1)) / decode_tokens``
-    (the difference cancels the prefill and HTTP costs). Prefill: one request
-    at a time with a fresh random prompt of ``L`` tokens and ``max_tokens=1``
-    (one step that prefills ``L`` tokens). Medians over ``repeats``. Needs an
-    idle server; prompts are random so the prefix cache never hits.
+    Decode: ``b`` concurrent requests with 16-token prompts (prefilled in one
+    step, then decoded together) and ``1 + decode_tokens`` output tokens; the
+    step time at batch ``b`` is the server's mean decode time per request over
+    ``decode_tokens``. Prefill: one request at a time with a fresh random
+    prompt of ``L`` tokens and ``max_tokens=1``, whose server-side prefill time
+    is one step prefilling ``L`` tokens. Each point is the *minimum* over
+    ``repeats``: on a shared machine the noise (other processes taking the
+    core) only ever adds time. Needs an otherwise idle server; prompts are
+    random, so the prefix cache does not hit.
     """
     base_url = base_url.rstrip("/").removesuffix("/v1")
     rng = random.Random(seed)
     timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
+    connector = aiohttp.TCPConnector(force_close=True)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         model = await model_name(session, base_url)
 
-        async def batch_latency(b: int, max_tokens: int, prompt_len: int) -> float:
+        async def measure(b: int, max_tokens: int, prompt_len: int) -> tuple[float, dict[str, float]]:
+            """Client latency of ``b`` concurrent requests and the histogram means."""
             prompts = [_ids(rng, prompt_len) for _ in range(b)]
+            before = await scrape(session, base_url)
             t = time.monotonic()
-            await asyncio.gather(
-                *(complete(session, base_url, model, p, max_tokens) for p in prompts)
-            )
-            return time.monotonic() - t
+            await asyncio.gather(*(complete(session, base_url, model, p, max_tokens) for p in prompts))
+            latency = time.monotonic() - t
+            after = await _settled_scrape(session, base_url, before, b)
+            return latency, histogram_means(after, before)
 
-        await batch_latency(2, 8, 32)  # warm-up
+        await measure(2, 8, 32)  # warm-up
         decode: dict[int, float] = {}
         for b in batches:
-            samples = []
-            for _ in range(repeats):
-                long = await batch_latency(b, 1 + decode_tokens, 16)
-                short = await batch_latency(b, 1, 16)
-                samples.append((long - short) / decode_tokens)
-            decode[b] = statistics.median(samples)
+            runs = [await measure(b, 1 + decode_tokens, 16) for _ in range(repeats)]
+            decode[b] = min(m["vllm:request_decode_time_seconds"] for _, m in runs)
+            decode[b] /= decode_tokens
         prefill: dict[int, float] = {}
+        client_prefill: dict[int, float] = {}
         for n in prompt_lens:
-            prefill[n] = statistics.median([await batch_latency(1, 1, n) for _ in range(repeats)])
+            runs = [await measure(1, 1, n) for _ in range(repeats)]
+            prefill[n] = min(m["vllm:request_prefill_time_seconds"] for _, m in runs)
+            client_prefill[n] = min(latency for latency, _ in runs)
     fixed, per_seq = _fit_line(decode)
-    intercept, per_token = _fit_line(prefill)
+    prefill_fixed, per_token = _fit_line(prefill)
+    client_intercept, _ = _fit_line(client_prefill)
     return Calibration(
         step_fixed_s=fixed,
         decode_seq_s=per_seq,
         prefill_token_s=per_token,
-        http_overhead_s=intercept - fixed,
+        prefill_fixed_s=prefill_fixed,
+        http_overhead_s=client_intercept - prefill_fixed,
+        repeats=repeats,
         decode_points=decode,
         prefill_points=prefill,
+        client_prefill_points=client_prefill,
+    )
+
+
+# ----------------------------------------------------------------------------- comparison
+
+HIT_RATE_TOLERANCE: float = 0.05
+"""Fidelity goal: simulated hit rate within 5 percentage points of the real one."""
+PREEMPTION_TOLERANCE: float = 0.20
+"""Fidelity goal: simulated preemptions within 20% of the real count."""
+
+
+def order_distance(a: list[str], b: list[str]) -> float:
+    """Normalised Kendall tau distance of two completion orders (0 same, 1 reversed).
+
+    Only ids present in both count; the share of pairs the two orders rank
+    differently.
+    """
+    in_b = set(b)
+    common = [x for x in a if x in in_b]
+    in_common = set(common)
+    pos = {x: i for i, x in enumerate(x for x in b if x in in_common)}
+    n = len(common)
+    if n < 2:
+        return 0.0
+    discordant = sum(1 for i in range(n) for j in range(i + 1, n) if pos[common[i]] > pos[common[j]])
+    return discordant / (n * (n - 1) / 2)
+
+
+class Comparison(BaseModel):
+    """One trace, real vs simulated, against the fidelity goals (docs/fidelity.md)."""
+
+    trace: str
+    real_hit_rate: float | None
+    sim_hit_rate: float | None
+    hit_rate_ok: bool
+    real_preemptions: float
+    sim_preemptions: float
+    preemptions_ok: bool
+    real_peak_waiting: float
+    sim_peak_waiting: float
+    same_pressure: bool = Field(
+        description="both preempt and queue, or neither does (the collapse reproduces)"
+    )
+    order_distance: float
+
+
+def compare(real: FidelityResult, sim: FidelityResult) -> Comparison:
+    """Check ``sim`` against ``real`` for one trace (same trace name required)."""
+    if real.trace != sim.trace:
+        raise ValueError(f"different traces: {real.trace!r} vs {sim.trace!r}")
+    rh, sh = real.hit_rate or 0.0, sim.hit_rate or 0.0
+    if real.preemptions:
+        pre_ok = abs(sim.preemptions - real.preemptions) <= PREEMPTION_TOLERANCE * real.preemptions
+    else:
+        pre_ok = sim.preemptions == 0
+    pressured = (real.preemptions > 0, real.peak_waiting > 0)
+    return Comparison(
+        trace=real.trace,
+        real_hit_rate=real.hit_rate,
+        sim_hit_rate=sim.hit_rate,
+        hit_rate_ok=abs(rh - sh) <= HIT_RATE_TOLERANCE,
+        real_preemptions=real.preemptions,
+        sim_preemptions=sim.preemptions,
+        preemptions_ok=pre_ok,
+        real_peak_waiting=real.peak_waiting,
+        sim_peak_waiting=sim.peak_waiting,
+        same_pressure=pressured == (sim.preemptions > 0, sim.peak_waiting > 0),
+        order_distance=round(order_distance(real.completion_order, sim.completion_order), 4),
     )
 
 
@@ -565,15 +721,27 @@ async def calibrate(
 def main(argv: list[str] | None = None) -> int:
     """CLI: replay a named trace (or ``--calibrate``) and print / save the JSON result."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8100")
+    parser.add_argument("--base-url", help="e.g. http://127.0.0.1:8100")
     parser.add_argument("--trace", choices=sorted(TRACES), default="fits")
     parser.add_argument("--json", type=Path, help="write the result here")
     parser.add_argument("--poll-interval", type=float, default=DEFAULT_POLL_INTERVAL_S)
     parser.add_argument("--calibrate", action="store_true", help="measure step-time constants")
+    parser.add_argument("--repeats", type=int, default=5, help="calibration repeats per point")
+    parser.add_argument(
+        "--compare", nargs=2, type=Path, metavar=("REAL_JSON", "SIM_JSON"),
+        help="compare two saved results of one trace against the fidelity goals",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     result: BaseModel
+    if args.compare:
+        real, sim = (FidelityResult.model_validate_json(p.read_text()) for p in args.compare)
+        cmp = compare(real, sim)
+        print(cmp.model_dump_json(indent=2))
+        return 0 if cmp.hit_rate_ok and cmp.preemptions_ok and cmp.same_pressure else 1
+    if not args.base_url:
+        parser.error("--base-url is required unless --compare is given")
     if args.calibrate:
-        result = asyncio.run(calibrate(args.base_url))
+        result = asyncio.run(calibrate(args.base_url, repeats=args.repeats))
     else:
         result = asyncio.run(run_trace(args.base_url, TRACES[args.trace](), args.poll_interval))
     text = result.model_dump_json(indent=2)

@@ -47,9 +47,10 @@ def block_hashes_for(
     """Hashes of the full blocks of ``token_ids`` from block ``start_block`` on."""
     out: list[int] = []
     parent = parent_hash
-    n_full = len(token_ids) // block_size
+    toks = token_ids if isinstance(token_ids, tuple) else tuple(token_ids)
+    n_full = len(toks) // block_size
     for i in range(start_block, n_full):
-        parent = hash((parent, tuple(token_ids[i * block_size : (i + 1) * block_size])))
+        parent = hash((parent, toks[i * block_size : (i + 1) * block_size]))
         out.append(parent)
     return out
 

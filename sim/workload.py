@@ -87,9 +87,10 @@ class LengthDist(BaseModel):
 RLVR_OUTPUT_CAP_TOKENS: int = 131_072
 """RLVR generation limit, 128K tokens: the paper's trace "hits the 128K cap"."""
 
-MAX_CONTEXT_TOKENS: int = 139_264
-"""Full-scale context limit: the 128K output cap plus 8K of prompt headroom (ours),
-so for RLVR the output cap, not the context, binds (prompt p95 is 1,129 tokens)."""
+MAX_CONTEXT_TOKENS: int = 131_072
+"""Full-scale context limit (prompt + output), 128K: the paper's cap, and the
+``max_model_len`` of the simulator's paper profiles, so no plan is refused by an
+engine. An RLVR output is therefore clipped at ``min(128K, 128K - prompt)``."""
 
 RLVR_INPUT = LengthDist(p50=156, p95=1129, source="misa-t.md trace table: rlvr input")
 """mu = ln 156 = 5.0499; sigma = ln(1129/156) / 1.64485 = 1.97923 / 1.64485 = 1.2033."""
@@ -243,7 +244,7 @@ class WorkloadSpec(BaseModel):
     vocab_size: int = Field(default=DEFAULT_VOCAB_SIZE, gt=DEFAULT_MIN_TOKEN_ID)
     min_token_id: int = Field(default=DEFAULT_MIN_TOKEN_ID, ge=0)
     max_context_tokens: int = Field(default=MAX_CONTEXT_TOKENS, gt=1)
-    """Full scale; scaled with everything else (139,264 / 16 = 8,704)."""
+    """Full scale; scaled with everything else (131,072 / 16 = 8,192)."""
     group_size: dict[RolloutClass, int] = Field(default_factory=lambda: dict(DEFAULT_GROUP_SIZE))
     prompt_scale: float | None = Field(default=None, gt=0, le=1)
     """Scale of RLVR/RLHF prompt lengths; None: ``length_scale``. At 1/16 a GRPO prompt

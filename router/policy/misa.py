@@ -55,6 +55,9 @@ class LiveSession:
     engine_id: str
     admitted_at: float
     peak_tokens: int = 0
+    """Largest prompt + output of a finished request of the session."""
+    known_tokens: int = 0
+    """Largest size seen so far: the peak, or a placed prompt (a lower bound while it runs)."""
     failed: bool = False
 
 
@@ -71,6 +74,7 @@ class MisaPolicy(Policy):
         self.engine_sessions: dict[str, int] = {}
         self.engine_class_sessions: dict[str, dict[str, int]] = {}
         self.class_sessions: dict[str, int] = {}
+        self.class_known_tokens: dict[str, int] = {}
         self.held_ids: set[str] = set()
         self.held_per_class: dict[str, int] = {}
         self.footprint: dict[str, WindowPercentile] = {}
@@ -97,7 +101,12 @@ class MisaPolicy(Policy):
         est = self.footprint.get(workload_class)
         value = est.value() if est is not None else None
         if value is None:
-            return self._bootstrap.get(workload_class, float(self.settings.footprint.bootstrap_tokens))
+            prior = self._bootstrap.get(workload_class, float(self.settings.footprint.bootstrap_tokens))
+            live = self.class_sessions.get(workload_class, 0)
+            if live:
+                # Before completions arrive, what live sessions already hold is a floor.
+                prior = max(prior, self.class_known_tokens.get(workload_class, 0) / live)
+            return prior
         return max(1.0, value)
 
     def residency_of(self, workload_class: str) -> float:
@@ -270,10 +279,7 @@ class MisaPolicy(Policy):
         for w in healthy:
             snap = engines[w]
             capacity = snap.kv_capacity_tokens
-            if capacity > 0:
-                cap = max(min_cap, min(max_cap, int(capacity * budget_fraction / k_ref)))
-            else:
-                cap = max_cap
+            cap = max(min_cap, min(max_cap, int(capacity * budget_fraction / k_ref))) if capacity > 0 else max_cap
             guard = guards.get(w)
             if guard is not None and guard.factor < 1.0:
                 cap = max(min_cap, int(cap * guard.factor))
@@ -331,9 +337,10 @@ class MisaPolicy(Policy):
         self.index.insert(keys, engine_id)
         live = self.sessions.get(req.session_key)
         if live is None:
-            self.sessions[req.session_key] = LiveSession(req.workload_class, engine_id, now)
+            live = self.sessions[req.session_key] = LiveSession(req.workload_class, engine_id, now)
             self._count(engine_id, req.workload_class, 1)
-        elif live.engine_id != engine_id:
+        self._know(live, req.prompt_tokens)
+        if live.engine_id != engine_id:
             self._count(live.engine_id, live.workload_class, -1)
             live.engine_id = engine_id
             self._count(engine_id, live.workload_class, 1)
@@ -346,15 +353,28 @@ class MisaPolicy(Policy):
         live = self.sessions.get(req.session_key)
         if live is None:
             return
-        live.peak_tokens = max(live.peak_tokens, completion.prompt_tokens + completion.completion_tokens)
+        size = completion.prompt_tokens + completion.completion_tokens
+        live.peak_tokens = max(live.peak_tokens, size)
+        self._know(live, size)
         if not completion.ok:
             live.failed = True
+
+    def _know(self, live: LiveSession, tokens: int) -> None:
+        if tokens > live.known_tokens:
+            b = live.workload_class
+            self.class_known_tokens[b] = self.class_known_tokens.get(b, 0) + tokens - live.known_tokens
+            live.known_tokens = tokens
+
+    def _forget(self, live: LiveSession) -> None:
+        self._count(live.engine_id, live.workload_class, -1)
+        b = live.workload_class
+        self.class_known_tokens[b] = self.class_known_tokens.get(b, 0) - live.known_tokens
 
     def on_session_end(self, session_key: str, now: float) -> None:
         live = self.sessions.pop(session_key, None)
         if live is None:
             return
-        self._count(live.engine_id, live.workload_class, -1)
+        self._forget(live)
         if live.failed or live.peak_tokens <= 0:
             return
         fp = self.settings.footprint
@@ -389,7 +409,7 @@ class MisaPolicy(Policy):
         for key, live in list(self.sessions.items()):
             if live.engine_id == engine_id:
                 del self.sessions[key]
-                self._count(engine_id, live.workload_class, -1)
+                self._forget(live)
         self.engine_sessions.pop(engine_id, None)
         self.engine_class_sessions.pop(engine_id, None)
         self.index.remove_engine(engine_id)

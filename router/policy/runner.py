@@ -30,6 +30,8 @@ class HeldEntry:
     req: RequestMeta
     held_at: float
     reason: Reason
+    continuation: bool = False
+    """Its session was live when it was held (held by a pause or a concurrency limit)."""
 
 
 @dataclass(slots=True)
@@ -53,6 +55,7 @@ class PolicyRunner:
         # Insertion-ordered: iteration order is arrival order.
         self._held: OrderedDict[str, HeldEntry] = OrderedDict()
         self._held_per_class: dict[str, int] = {}
+        self._held_continuations = 0
         self.sessions: dict[str, SessionRecord] = {}
         self.sessions_ended_idle = 0
 
@@ -65,9 +68,10 @@ class PolicyRunner:
         """Decide a new request. A HOLD puts it in the ledger; a PLACE is applied at once."""
         if req.request_id in self._held:
             raise ValueError(f"request {req.request_id!r} is already held")
+        continuation = self.is_continuation(req)
         if self.paused:
             decision = Decision.hold(Reason.HOLD_PAUSED)
-        elif not self.is_continuation(req) and self._held_per_class.get(req.workload_class, 0):
+        elif not continuation and self._held_per_class.get(req.workload_class, 0):
             decision = Decision.hold(Reason.HOLD_QUEUED)
         else:
             decision = self.policy.decide(req, engines, now)
@@ -75,7 +79,8 @@ class PolicyRunner:
             assert decision.engine_id is not None
             self._apply_placement(req, decision.engine_id, now)
         else:
-            self._held[req.request_id] = HeldEntry(req, now, decision.reason)
+            self._held[req.request_id] = HeldEntry(req, now, decision.reason, continuation)
+            self._held_continuations += continuation
             self._held_per_class[req.workload_class] = (
                 self._held_per_class.get(req.workload_class, 0) + 1
             )
@@ -93,19 +98,26 @@ class PolicyRunner:
             return []
         released: list[tuple[RequestMeta, Decision]] = []
         blocked: set[str] = set()
-        for rid, entry in list(self._held.items()):
+        classes_held = len(self._held_per_class)
+        # Iterate the ledger itself (no copy: it can be long); entries placed in this
+        # pass are unheld at once for the policy's books and popped after the loop.
+        for entry in self._held.values():
             req = entry.req
-            if req.workload_class in blocked and not self.is_continuation(req):
+            if req.workload_class in blocked and not entry.continuation:
+                if not self._held_continuations and len(blocked) >= classes_held:
+                    break  # every class is blocked and nothing else can pass
                 continue
             decision = self.policy.decide(req, engines, now)
             if not decision.placed:
                 entry.reason = decision.reason
                 blocked.add(req.workload_class)
                 continue
-            self._remove_held(rid, now)
+            self.policy.on_unhold(req, now)
             assert decision.engine_id is not None
             self._apply_placement(req, decision.engine_id, now)
             released.append((req, decision))
+        for req, _ in released:
+            self._remove_held(req.request_id, now, notify=False)
         return released
 
     def cancel(self, request_id: str, now: float) -> bool:
@@ -194,10 +206,12 @@ class PolicyRunner:
         rec.engine_id = engine_id
         self.policy.on_placed(req, engine_id, now)
 
-    def _remove_held(self, request_id: str, now: float) -> HeldEntry | None:
+    def _remove_held(self, request_id: str, now: float, *, notify: bool = True) -> HeldEntry | None:
         entry = self._held.pop(request_id, None)
         if entry is not None:
-            self.policy.on_unhold(entry.req, now)
+            self._held_continuations -= entry.continuation
+            if notify:
+                self.policy.on_unhold(entry.req, now)
             c = entry.req.workload_class
             self._held_per_class[c] -= 1
             if not self._held_per_class[c]:

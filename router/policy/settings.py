@@ -120,9 +120,11 @@ class FootprintSettings(_Settings):
         4, ge=1, description="Completions needed before the estimate replaces the bootstrap value."
     )
     bootstrap_tokens: int = Field(
-        8192, ge=1,
-        description="k_b before a class has min_samples completions (project default); a class "
-        "may override it in the router config.",
+        16384, ge=1,
+        description="Prior for k_b before a class has min_samples completions (project default, "
+        "in real tokens: about a third of an RLVR rollout's peak in the paper's trace). Until "
+        "then k_b is the larger of this and the mean size seen so far of the class's live "
+        "sessions. A class may override it; simulated pools with scaled lengths scale it too.",
     )
 
 

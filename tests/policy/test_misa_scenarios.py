@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 
 import pytest
-
 from misat_router.policy.misa import MisaPolicy
 from misat_router.policy.runner import PolicyRunner
 from misat_router.policy.settings import (

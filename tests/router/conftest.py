@@ -23,7 +23,6 @@ from typing import Any
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
-
 from misat_router.app import STATE, RouterState, create_app
 from misat_router.config import RouterConfig
 
@@ -297,15 +296,17 @@ async def engines() -> AsyncIterator[list[FakeEngine]]:
 
 
 async def start_router(
-    engines: list[FakeEngine], *, admin_token: str | None = None, config_path: str | None = None,
+    fakes: list[FakeEngine], /, *, admin_token: str | None = None, config_path: str | None = None,
     **overrides: Any,
 ) -> RouterHarness:
-    cfg = router_config([e.url for e in engines], **overrides)
+    """A router in front of ``fakes``; keyword overrides replace RouterConfig fields."""
+    cfg = router_config([e.url for e in fakes], **overrides)
     app = create_app(cfg, admin_token=admin_token, config_path=config_path)
     server = TestServer(app, host="127.0.0.1")
     await server.start_server()
-    h = RouterHarness(server, engines)
-    await h.wait_healthy(len(engines))
+    h = RouterHarness(server, fakes)
+    if fakes:
+        await h.wait_healthy(len(fakes))
     return h
 
 
@@ -313,8 +314,8 @@ async def start_router(
 async def make_router() -> AsyncIterator[Callable[..., Any]]:
     started: list[RouterHarness] = []
 
-    async def make(engines: list[FakeEngine], **kw: Any) -> RouterHarness:
-        h = await start_router(engines, **kw)
+    async def make(fakes: list[FakeEngine], /, **kw: Any) -> RouterHarness:
+        h = await start_router(fakes, **kw)
         started.append(h)
         return h
 

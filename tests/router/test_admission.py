@@ -162,12 +162,11 @@ async def test_engine_breaking_mid_stream_ends_stream_with_error_event(
     eng = engines[0]
     eng.break_stream_after = 1
     h = await make_router([eng])
-    async with aiohttp.ClientSession() as http:
-        async with http.post(h.url + "/v1/completions",
-                             json={"model": MODEL, "prompt": [1], "max_tokens": 3, "stream": True},
-                             headers={"X-Rollout-Class": "rlvr"}) as r:
-            assert r.status == 200
-            body = await asyncio.wait_for(r.read(), WAIT_S)
+    async with aiohttp.ClientSession() as http, http.post(h.url + "/v1/completions",
+                         json={"model": MODEL, "prompt": [1], "max_tokens": 3, "stream": True},
+                         headers={"X-Rollout-Class": "rlvr"}) as r:
+        assert r.status == 200
+        body = await asyncio.wait_for(r.read(), WAIT_S)
     events = [e for e in body.split(b"\n\n") if e.strip()]
     assert events[0].startswith(b'data: {"id"')
     assert b'"type": "upstream_error"' in events[-2]
@@ -192,3 +191,33 @@ async def test_no_healthy_engine_holds_until_one_appears(
         assert h.state.runner.held()[0].reason.value == "no_healthy_engine"
         eng.healthy = True
         assert (await task)[0] == 200
+
+
+async def test_shutdown_drains_in_flight_and_refuses_held(
+    engines: list[FakeEngine], make_router
+) -> None:
+    eng = engines[0]
+    eng.gate = asyncio.Event()
+    h = await make_router([eng], policy=LIMIT_ONE, drain_timeout_s=WAIT_S)
+    async with aiohttp.ClientSession() as http:
+        first = asyncio.create_task(post(http, h.url, [0]))
+        await eng.wait_arrivals(1)
+        second = asyncio.create_task(post(http, h.url, [1]))
+        await h.wait(lambda: h.state.runner.held_count() == 1)
+        closing = asyncio.create_task(h.server.close())
+        await h.wait(lambda: h.state.dispatcher.draining)
+        status, body, _ = await second
+        assert status == 503 and b"shutting down" in body
+        eng.gate.set()  # the in-flight request may finish during the drain
+        assert (await first)[0] == 200
+        await closing
+
+
+async def test_engines_from_service_dns(engines: list[FakeEngine], make_router) -> None:
+    eng = engines[0]
+    port = int(eng.url.rsplit(":", 1)[1])
+    h = await make_router(
+        [], engines={"service": {"name": "127.0.0.1", "port": port}, "resolve_interval_s": 0.05})
+    await h.wait(lambda: h.state.registry.healthy_count() == 1)
+    async with aiohttp.ClientSession() as http:
+        assert (await post(http, h.url, [1]))[2]["X-Misat-Engine"] == f"http://127.0.0.1:{port}"

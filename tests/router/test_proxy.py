@@ -155,11 +155,10 @@ async def test_malformed_requests_get_openai_400(
     engines: list[FakeEngine], make_router, body: bytes, headers: dict[str, str], param: str | None
 ) -> None:
     h = await make_router(engines[:1])
-    async with aiohttp.ClientSession() as http:
-        async with http.post(h.url + "/v1/completions", data=body,
-                             headers={"Content-Type": "application/json", **headers}) as r:
-            assert r.status == 400
-            err = (await r.json())["error"]
+    async with aiohttp.ClientSession() as http, http.post(h.url + "/v1/completions", data=body,
+                         headers={"Content-Type": "application/json", **headers}) as r:
+        assert r.status == 400
+        err = (await r.json())["error"]
     assert err["type"] == "invalid_request_error"
     assert err["param"] == param
     assert err["message"]
@@ -195,20 +194,21 @@ async def test_models_and_tokenize_pass_through(engines: list[FakeEngine], make_
     h = await make_router(engines)
     models = await client(h.url).models.list()
     assert [m.id for m in models.data] == [MODEL]
-    async with aiohttp.ClientSession() as http:
-        async with http.post(h.url + "/tokenize", json={"model": MODEL, "prompt": "a b c"}) as r:
-            assert r.status == 200
-            assert (await r.json())["count"] == 3
+    body = {"model": MODEL, "prompt": "a b c"}
+    async with aiohttp.ClientSession() as http, http.post(h.url + "/tokenize", json=body) as r:
+        assert r.status == 200
+        assert (await r.json())["count"] == 3
 
 
 async def test_engine_error_status_passes_through(engines: list[FakeEngine], make_router) -> None:
     engines[0].fail_status = 400
     h = await make_router(engines[:1])
-    async with aiohttp.ClientSession() as http:
-        async with http.post(h.url + "/v1/completions", json={"prompt": [1], "max_tokens": 1},
-                             headers={"X-Rollout-Class": "rlvr"}) as r:
-            assert r.status == 400
-            assert (await r.json())["message"] == "engine says no"
+    async with aiohttp.ClientSession() as http, http.post(
+        h.url + "/v1/completions", json={"prompt": [1], "max_tokens": 1},
+        headers={"X-Rollout-Class": "rlvr"},
+    ) as r:
+        assert r.status == 400
+        assert (await r.json())["message"] == "engine says no"
     assert h.state.dispatcher.in_flight == {}
     assert h.state.runner.mixture.total == 0  # a failed single-request session is no unit
     metrics = h.state.metrics.render().decode()

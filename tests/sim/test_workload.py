@@ -92,11 +92,13 @@ def test_single_request_samples_match_table_before_scaling(klass, field, dist):
     assert rel_quantile_err(values, 0.5, dist.p50) < 0.08
 
 
-def test_rlvr_output_is_capped_at_128k():
+def test_rlvr_output_is_capped_at_the_128k_context():
     spec = WorkloadSpec(length_scale=1.0, group_size={RLVR: 16})
-    outs = [p.turns[0].max_tokens for i in range(300) for p in plan_group(spec, RLVR, i)]
-    assert max(outs) == RLVR_OUTPUT_CAP_TOKENS  # the tail reaches the cap and stops there
-    assert sum(o == RLVR_OUTPUT_CAP_TOKENS for o in outs) / len(outs) < 0.06
+    turns = [p.turns[0] for i in range(300) for p in plan_group(spec, RLVR, i)]
+    totals = [t.append_len + t.max_tokens for t in turns]
+    assert max(totals) == RLVR_OUTPUT_CAP_TOKENS == spec.max_context_tokens
+    # The tail reaches the cap and stops there; about 5% of samples (p95 is just below it).
+    assert 0.01 < sum(n == RLVR_OUTPUT_CAP_TOKENS for n in totals) / len(totals) < 0.07
 
 
 def agentic_turn_lengths(spec: WorkloadSpec, n: int) -> tuple[list[int], list[int], list[int]]:

@@ -1,0 +1,86 @@
+"""Every per-pool key in one place: object names, labels, selectors, DNS names, URLs.
+
+Two places building the same name differently is how operators leak objects
+or talk to the wrong Service, so render, handlers and tests all ask this
+module. Names are derived from the pool name only (never from the spec), so a
+spec change can never orphan a child object.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GROUP = "misat.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "RolloutPool"
+PLURAL = "rolloutpools"
+SINGULAR = "rolloutpool"
+SHORT_NAMES = ("rp",)
+
+MANAGER = "misat-operator"
+POOL_LABEL = f"{GROUP}/pool"
+COMPONENT_LABEL = "app.kubernetes.io/component"
+
+ENGINE_PORT_NAME = "http"
+ROUTER_PORT_NAME = "http"
+CONFIG_KEY = "router.yaml"
+TOKEN_KEY = "token"
+CONFIG_DIR = "/etc/misat/config"
+ADMIN_DIR = "/etc/misat/admin"
+
+MAX_POOL_NAME = 40
+"""Longest pool name: the longest suffix ('-router-config', 14) keeps child names within 63
+characters, and Service names (DNS labels) within 63 too."""
+
+
+@dataclass(frozen=True, slots=True)
+class PoolNames:
+    """Names and labels of everything one RolloutPool owns."""
+
+    pool: str
+    namespace: str
+
+    @property
+    def engines(self) -> str:
+        """Engine Deployment and its headless Service (same name, as StatefulSets do)."""
+        return f"{self.pool}-engines"
+
+    @property
+    def router(self) -> str:
+        """Router Deployment and Service."""
+        return f"{self.pool}-router"
+
+    @property
+    def router_config(self) -> str:
+        return f"{self.pool}-router-config"
+
+    @property
+    def admin_secret(self) -> str:
+        return f"{self.pool}-router-admin"
+
+    def engines_dns(self, cluster_domain: str = "cluster.local") -> str:
+        """DNS name of the headless engine Service: one A record per ready engine pod."""
+        return f"{self.engines}.{self.namespace}.svc.{cluster_domain}"
+
+    def router_url(self, port: int, cluster_domain: str = "cluster.local") -> str:
+        """In-cluster base URL of the router Service (the operator's hot-reload target)."""
+        return f"http://{self.router}.{self.namespace}.svc.{cluster_domain}:{port}"
+
+    def labels(self, component: str) -> dict[str, str]:
+        """Labels on every child object and pod of ``component`` ('engine' or 'router')."""
+        return {
+            "app.kubernetes.io/name": "misa-t",
+            "app.kubernetes.io/instance": self.pool,
+            COMPONENT_LABEL: component,
+            "app.kubernetes.io/managed-by": MANAGER,
+            POOL_LABEL: self.pool,
+        }
+
+    def selector(self, component: str) -> dict[str, str]:
+        """Pod selector: the two labels that never change (Deployment selectors are immutable)."""
+        return {POOL_LABEL: self.pool, COMPONENT_LABEL: component}
+
+    def selector_string(self, component: str) -> str:
+        """The selector as a label-selector string (for the scale subresource, HPA)."""
+        return ",".join(f"{k}={v}" for k, v in sorted(self.selector(component).items()))

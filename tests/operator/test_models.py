@@ -1,0 +1,133 @@
+"""The RolloutPool spec model: camelCase wire shape, the router's settings reused, the operator's checks."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+from misat_operator.models import (
+    CLASS_NAME_PATTERN,
+    MANAGED_ENGINE_FLAGS,
+    RolloutPoolSpec,
+    parse_spec,
+    pool_name_error,
+)
+from misat_router.policy.settings import ClassSpec, PolicyName, PolicySettings
+from pydantic import ValidationError
+
+
+def test_minimal_spec_takes_router_defaults() -> None:
+    spec = parse_spec({"model": {"name": "m"}, "workloads": [{"name": "rlvr", "share": 100}]})
+    assert spec.admission == PolicySettings()
+    assert spec.kv_budget.fraction == PolicySettings().kv_budget_fraction
+    assert spec.engines.enable_prefix_caching is True
+    assert spec.engines.image.startswith("vllm/vllm-openai:")
+    assert spec.model.served == "m"
+
+
+def test_admission_is_the_routers_policy_settings_in_camel_case() -> None:
+    spec = parse_spec({
+        "model": {"name": "m"},
+        "workloads": [{"name": "a", "share": 100}],
+        "admission": {
+            "policy": "misa",
+            "concurrencyLimit": 64,
+            "sessionAdmission": {"epochS": 0.25, "confirmEpochs": 5},
+            "cacheAware": {"maxTreeSize": 1024},
+        },
+    })
+    assert spec.admission.name is PolicyName.MISA
+    assert spec.admission.concurrency_limit == 64
+    assert spec.admission.admission.epoch_s == 0.25
+    assert spec.admission.admission.confirm_epochs == 5
+    assert spec.admission.cache_aware.max_tree_size == 1024
+    dumped = spec.model_dump(by_alias=True)["admission"]
+    assert dumped["policy"] == "misa"
+    assert dumped["sessionAdmission"]["confirmEpochs"] == 5
+    assert "kvBudgetFraction" not in dumped
+    assert parse_spec(spec.model_dump(by_alias=True)) == spec
+
+
+@pytest.mark.parametrize(
+    "admission",
+    [
+        pytest.param({"kvBudgetFraction": 0.5}, id="budget-belongs-to-kvBudget"),
+        pytest.param({"sessionAdmission": {"epochSeconds": 1}}, id="unknown-nested-setting"),
+        pytest.param({"policy": "fastest"}, id="unknown-policy"),
+        pytest.param({"footprint": {"statistic": "p90"}}, id="bad-statistic"),
+    ],
+)
+def test_admission_rejects_unknown_or_misplaced_settings(admission: dict[str, Any]) -> None:
+    with pytest.raises(ValidationError):
+        parse_spec({"model": {"name": "m"}, "workloads": [{"name": "a", "share": 100}], "admission": admission})
+
+
+def _with(base: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
+    spec = copy.deepcopy(base)
+    node = spec
+    keys = path.split(".")
+    for key in keys[:-1]:
+        node = node[int(key)] if key.isdigit() else node.setdefault(key, {})
+    last = keys[-1]
+    if last.isdigit():
+        node[int(last)] = value
+    else:
+        node[last] = value
+    return spec
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "needle"),
+    [
+        ("workloads.0.share", 40.0, "sum to 100"),
+        ("workloads.1.name", "agentic", "unique"),
+        ("workloads.2.minKvShare", 0.9, "above maxKvShare"),
+        ("defaultClass", "chat", "defaultClass"),
+        ("engines.tensorParallelSize", 8, "tensorParallelSize"),
+        ("engines.extraArgs", ["--port=9000"], "extraArgs[0] --port"),
+        ("engines.replicas", -1, "greater than or equal"),
+        ("engines.gpuMemoryUtilization", 0.0, "greater than 0"),
+        ("engines.gpu", 1, "Extra inputs"),
+    ],
+    ids=lambda v: str(v) if isinstance(v, str) else None,
+)
+def test_invalid_specs_name_the_problem(mixed_pool: dict[str, Any], path: str, value: Any, needle: str) -> None:
+    bad = _with(mixed_pool["spec"], path, value)
+    with pytest.raises(ValidationError) as err:
+        parse_spec(bad)
+    assert needle in str(err.value)
+
+
+def test_min_shares_summing_above_one_are_rejected(mixed_pool: dict[str, Any]) -> None:
+    spec = mixed_pool["spec"]
+    for w in spec["workloads"]:
+        w.pop("maxKvShare", None)
+        w["minKvShare"] = 0.4
+    with pytest.raises(ValidationError, match="minKvShare values sum"):
+        parse_spec(spec)
+
+
+def test_class_name_pattern_matches_the_routers() -> None:
+    router = ClassSpec.model_json_schema()["properties"]["name"]["pattern"]
+    assert router == CLASS_NAME_PATTERN
+
+
+def test_every_managed_flag_is_refused_in_extra_args() -> None:
+    base = {"model": {"name": "m"}, "workloads": [{"name": "a", "share": 100}]}
+    for flag in MANAGED_ENGINE_FLAGS:
+        with pytest.raises(ValidationError):
+            parse_spec({**base, "engines": {"extraArgs": [flag, "x"]}})
+    ok = parse_spec({**base, "engines": {"extraArgs": ["--enforce-eager", "--kv-cache-dtype=fp8"]}})
+    assert ok.engines.extra_args == ["--enforce-eager", "--kv-cache-dtype=fp8"]
+
+
+def test_spec_models_are_frozen() -> None:
+    spec = RolloutPoolSpec.model_validate({"model": {"name": "m"}, "workloads": [{"name": "a", "share": 100}]})
+    with pytest.raises(ValidationError):
+        spec.engines.replicas = 3  # type: ignore[misc]
+
+
+def test_pool_name_length() -> None:
+    assert pool_name_error("a" * 40) is None
+    assert "at most 40" in (pool_name_error("a" * 41) or "")

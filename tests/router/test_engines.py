@@ -1,0 +1,84 @@
+"""vLLM metrics parsing and the engine registry's health bookkeeping."""
+
+from __future__ import annotations
+
+import pytest
+from misat_router.engines import EngineRegistry, engine_url
+from misat_router.scrape import VllmMetrics, parse_vllm_metrics
+
+from .conftest import FakeEngine
+
+TWO_ENGINES = """\
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 3.0
+vllm:num_requests_running{engine="1",model_name="m"} 1.0
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="m"} 2.0
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.5
+vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.25
+# TYPE vllm:prefix_cache_queries_total counter
+vllm:prefix_cache_queries_total{engine="0",model_name="m"} 1000.0
+# TYPE vllm:prefix_cache_hits_total counter
+vllm:prefix_cache_hits_total{engine="0",model_name="m"} 900.0
+# TYPE vllm:num_preemptions_total counter
+vllm:num_preemptions_total{engine="0",model_name="m"} 4.0
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="100"} 1.0
+vllm:cache_config_info{block_size="16",engine="1",num_gpu_blocks="300"} 1.0
+# TYPE vllm:time_to_first_token_seconds histogram
+vllm:time_to_first_token_seconds_bucket{le="+Inf",engine="0",model_name="m"} 5.0
+"""
+
+
+def test_parse_sums_internal_engines_and_weights_kv_usage() -> None:
+    m = parse_vllm_metrics(TWO_ENGINES)
+    assert m.kv_capacity_tokens == 400 * 16
+    assert m.kv_usage == pytest.approx((0.5 * 1600 + 0.25 * 4800) / 6400)
+    assert (m.num_running, m.num_waiting) == (4, 2)
+    assert (m.prefix_queries_total, m.prefix_hits_total, m.preemptions_total) == (1000, 900, 4)
+
+
+def test_parse_fake_engine_page_and_missing_metrics() -> None:
+    m = parse_vllm_metrics(FakeEngine("x")._metrics_text())
+    assert m.kv_capacity_tokens == 64 * 16 and m.num_running == 0
+    assert parse_vllm_metrics("") == VllmMetrics()
+
+
+class Calls:
+    def __init__(self) -> None:
+        self.down: list[str] = []
+        self.up: list[str] = []
+        self.removed: list[str] = []
+
+
+def make_registry() -> tuple[EngineRegistry, Calls]:
+    c = Calls()
+    reg = EngineRegistry(lambda: 42.0, on_down=c.down.append, on_up=c.up.append,
+                         on_removed=c.removed.append)
+    return reg, c
+
+
+def test_registry_health_transitions_and_snapshots() -> None:
+    reg, calls = make_registry()
+    reg.set_engines(["http://a", "http://b"])
+    assert not any(s.healthy for s in reg.snapshots().values())  # unknown until checked
+    reg.record_health("http://a", True, down_after=2, up_after=1)
+    assert calls.up == ["http://a"] and reg.snapshots()["http://a"].healthy
+    reg.record_health("http://a", False, down_after=2, up_after=1)
+    assert reg.snapshots()["http://a"].healthy  # one failure is not enough
+    reg.record_health("http://a", False, down_after=2, up_after=1)
+    assert calls.down == ["http://a"] and not reg.snapshots()["http://a"].healthy
+    reg.record_health("http://b", True, down_after=2, up_after=1)
+    reg.mark_failed("http://b", "refused")  # proxy connection error: at once
+    assert calls.down == ["http://a", "http://b"]
+    reg.record_metrics("http://a", VllmMetrics(kv_capacity_tokens=10, kv_usage=0.5), 7.0)
+    snap = reg.snapshots()["http://a"]
+    assert (snap.kv_capacity_tokens, snap.kv_used_tokens, snap.scraped_at) == (10, 5.0, 7.0)
+    reg.set_engines(["http://b"])
+    assert calls.removed == ["http://a"] and list(reg.snapshots()) == ["http://b"]
+
+
+def test_engine_url_brackets_ipv6() -> None:
+    assert engine_url("http", "10.0.0.1", 8000) == "http://10.0.0.1:8000"
+    assert engine_url("http", "fd00::1", 8000) == "http://[fd00::1]:8000"

@@ -1,0 +1,96 @@
+"""Request parsing: headers and body metadata, prompts, validation errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from misat_router.errors import InvalidRequest
+from misat_router.policy.settings import PrefixIndexSettings, WorkloadMix
+from misat_router.request_meta import EndpointKind, parse_request, render_messages
+from multidict import CIMultiDict
+
+MIX = WorkloadMix.model_validate({"classes": [
+    {"name": "rlvr", "share": 50}, {"name": "agentic", "share": 50, "multi_turn": True}]})
+PREFIX = PrefixIndexSettings(chars_per_token=4.0)
+
+
+def parse(body: object, headers: dict[str, str] | None = None,
+          kind: EndpointKind = EndpointKind.COMPLETIONS, mix: WorkloadMix = MIX):
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return parse_request(raw, CIMultiDict(headers or {}), kind, mix=mix, prefix=PREFIX,
+                         request_id="r1")
+
+
+def test_headers_give_metadata_and_body_is_forwarded_verbatim() -> None:
+    raw = b'{"prompt": [1, 2, 3], "max_tokens": 7,   "stream": true}'
+    p = parse(raw, {"x-rollout-class": "agentic", "X-Session-Id": "s1", "X-Session-Turn": "4",
+                    "X-Session-End": "yes"})
+    m = p.meta
+    assert (m.workload_class, m.session_id, m.turn, m.end_of_session) == ("agentic", "s1", 4, True)
+    assert m.prompt_token_ids == (1, 2, 3) and m.prompt_tokens == 3 and m.max_tokens == 7
+    assert p.stream is True and p.body == raw
+
+
+def test_body_rollout_object_is_an_alternative_and_is_stripped() -> None:
+    p = parse({"prompt": "abcdefgh", "rollout": {"class": "rlvr", "session_id": "g1",
+                                                 "turn": 0, "end": False}})
+    assert p.meta.workload_class == "rlvr" and p.meta.session_id == "g1"
+    assert p.meta.prompt_text == "abcdefgh" and p.meta.prompt_tokens == 2  # 8 chars / 4
+    assert json.loads(p.body) == {"prompt": "abcdefgh"}
+
+
+def test_chat_messages_render_to_text() -> None:
+    msgs = [{"role": "system", "content": "be brief"},
+            {"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "image_url"}]}]
+    assert render_messages(msgs) == "system\nbe brief\nuser\nhi\n"
+    p = parse({"messages": msgs, "max_completion_tokens": 3}, {"X-Rollout-Class": "rlvr"},
+              kind=EndpointKind.CHAT)
+    assert p.meta.prompt_text == "system\nbe brief\nuser\nhi\n" and p.meta.max_tokens == 3
+
+
+def test_batch_prompts_count_every_prompt() -> None:
+    p = parse({"prompt": [[1, 2], [3, 4, 5]]}, {"X-Rollout-Class": "rlvr"})
+    assert p.meta.prompt_token_ids == (1, 2) and p.meta.prompt_tokens == 5
+
+
+def test_default_class_applies_to_unlabelled() -> None:
+    mix = MIX.model_copy(update={"default_class": "rlvr"})
+    assert parse({"prompt": [1]}, mix=mix).meta.workload_class == "rlvr"
+
+
+@pytest.mark.parametrize(
+    ("body", "headers", "param"),
+    [
+        pytest.param(b"nope", {"X-Rollout-Class": "rlvr"}, None, id="bad-json"),
+        pytest.param({"prompt": [1]}, {}, "rollout.class", id="no-class"),
+        pytest.param({"prompt": [1]}, {"X-Rollout-Class": "x"}, "rollout.class", id="unknown"),
+        pytest.param({"prompt": [1], "max_tokens": 0}, {"X-Rollout-Class": "rlvr"}, "max_tokens",
+                     id="max-tokens-0"),
+        pytest.param({"prompt": [1], "max_tokens": True}, {"X-Rollout-Class": "rlvr"},
+                     "max_tokens", id="max-tokens-bool"),
+        pytest.param({"prompt": [1], "stream": "yes"}, {"X-Rollout-Class": "rlvr"}, "stream",
+                     id="stream-not-bool"),
+        pytest.param({"prompt": [1, "a"]}, {"X-Rollout-Class": "rlvr"}, "prompt", id="mixed"),
+        pytest.param({}, {"X-Rollout-Class": "rlvr"}, "prompt", id="no-prompt"),
+        pytest.param({"prompt": [1], "rollout": {"klass": "rlvr"}}, {}, "rollout.klass",
+                     id="rollout-typo"),
+        pytest.param({"prompt": [1], "rollout": {"class": "agentic"}},
+                     {"X-Rollout-Class": "rlvr"}, "rollout.class", id="header-body-conflict"),
+        pytest.param({"prompt": [1]}, {"X-Rollout-Class": "rlvr", "X-Session-End": "maybe"},
+                     "X-Session-End", id="bad-end"),
+        pytest.param({"prompt": [1]}, {"X-Rollout-Class": "rlvr", "X-Session-Turn": "-1"},
+                     "X-Session-Turn", id="negative-turn"),
+    ],
+)
+def test_invalid_requests(body: object, headers: dict[str, str], param: str | None) -> None:
+    with pytest.raises(InvalidRequest) as info:
+        parse(body, headers)
+    assert info.value.param == param
+    assert info.value.error_type == "invalid_request_error"
+
+
+def test_chat_requires_messages() -> None:
+    with pytest.raises(InvalidRequest) as info:
+        parse({"messages": []}, {"X-Rollout-Class": "rlvr"}, kind=EndpointKind.CHAT)
+    assert info.value.param == "messages"
