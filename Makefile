@@ -7,12 +7,12 @@ STAMP  := $(VENV)/.installed-dev
 .PHONY: demo test lint bench microbench e2e clean
 
 $(PY):
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
+	$(PYTHON) -P -m venv $(VENV)
+	$(PY) -P -m pip install --quiet --upgrade pip
 
 # Reinstall when the project's metadata changes.
 $(STAMP): pyproject.toml | $(PY)
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -P -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
 lint: $(STAMP)

@@ -14,12 +14,13 @@ import random
 from collections import Counter
 from dataclasses import dataclass
 
+from rich.console import Console
+from rich.table import Table
+
 from misat_router.policy.registry import build_policy
 from misat_router.policy.runner import PolicyRunner
 from misat_router.policy.settings import ClassSpec, PolicyName, PolicySettings, WorkloadMix
 from misat_router.policy.types import Completion, EngineSnapshot, RequestMeta
-from rich.console import Console
-from rich.table import Table
 
 MIX = WorkloadMix(
     classes=(

@@ -18,19 +18,21 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from misat_router.config import RouterConfig
-from misat_router.policy.settings import PolicySettings
 from pydantic import (
     BaseModel,
     BeforeValidator,
     ConfigDict,
     Field,
     PlainSerializer,
+    ValidationError,
     WithJsonSchema,
     field_validator,
     model_validator,
 )
 from pydantic.alias_generators import to_camel
+
+from misat_router.config import RouterConfig
+from misat_router.policy.settings import PolicySettings
 
 from .names import MAX_POOL_NAME
 from .schema import camel_keys, camel_to_snake, camelize, snake_keys, structural
@@ -452,6 +454,20 @@ class RolloutPoolStatus(_Model):
 def parse_spec(spec: Any) -> RolloutPoolSpec:
     """Validate a RolloutPool spec (camelCase mapping); raises pydantic.ValidationError."""
     return RolloutPoolSpec.model_validate(spec)
+
+
+def describe_spec_error(exc: ValidationError) -> str:
+    """One line per problem, each naming its path under spec (``spec.workloads[1].share: ...``)."""
+    lines = []
+    for err in exc.errors():
+        path = "spec"
+        for part in err["loc"]:
+            if isinstance(part, int):
+                path += f"[{part}]"
+            elif not str(part).startswith("function-"):
+                path += f".{part}"
+        lines.append(f"{path}: {err['msg'].removeprefix('Value error, ')}")
+    return "; ".join(lines)
 
 
 def pool_name_error(name: str) -> str | None:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import yaml
+
 from misat_router.config import EnginesConfig, RouterConfig, ServiceRef
 from misat_router.policy.settings import ClassSpec, WorkloadMix
 

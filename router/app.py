@@ -117,6 +117,9 @@ class Dispatcher:
                     retry_after_s=s.config.hold_retry_after_s,
                 ) from None
             decision = fut.result()  # placed in the same instant the deadline passed
+        except ShuttingDown:
+            self._give_up(meta, now, Outcome.SHUTDOWN)
+            raise
         except asyncio.CancelledError:
             if _has_result(fut):
                 engine = fut.result().engine_id

@@ -34,7 +34,7 @@ class ServiceRef(_Frozen):
 
     name: str = Field(min_length=1, description="DNS name, e.g. 'pool-engines.ns.svc.cluster.local'.")
     port: int = Field(8000, ge=1, le=65535, description="Engine HTTP port (vLLM's default 8000).")
-    scheme: Literal["http", "https"] = "http"
+    scheme: Literal["http", "https"] = Field("http", description="URL scheme of the engines.")
 
 
 class EnginesConfig(_Frozen):
@@ -43,7 +43,9 @@ class EnginesConfig(_Frozen):
     urls: tuple[str, ...] | None = Field(
         None, description="Base URLs of the engines, e.g. 'http://10.0.0.5:8000' (no path)."
     )
-    service: ServiceRef | None = None
+    service: ServiceRef | None = Field(
+        None, description="A headless Service resolved to one engine per address."
+    )
     resolve_interval_s: float = Field(
         5.0, gt=0.0,
         description="Seconds between DNS re-resolutions of `service` (project default: pods "
@@ -80,9 +82,12 @@ class RouterConfig(_Frozen):
         "reload carrying a lower generation than the applied one is refused as stale.",
     )
     model: str = Field(min_length=1, description="Served model name the engines expose.")
-    engines: EnginesConfig
-    workloads: WorkloadMix
-    policy: PolicySettings = PolicySettings()
+    engines: EnginesConfig = Field(description="Where the engines are (urls or service).")
+    workloads: WorkloadMix = Field(description="Workload classes, target shares, default class.")
+    policy: PolicySettings = Field(
+        default_factory=lambda: PolicySettings.model_validate({}),
+        description="Policy name and every knob (router/policy/settings.py).",
+    )
 
     hold_deadline_s: float = Field(
         300.0, gt=0.0,

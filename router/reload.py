@@ -43,18 +43,11 @@ from typing import TYPE_CHECKING
 
 from .config import ConfigError, RouterConfig, parse_config
 from .errors import ConfigRejected, RouterError, StaleConfig
-from .policy.base import Policy
-from .policy.registry import build_policy
-from .policy.types import Completion, RequestMeta
 
 if TYPE_CHECKING:
     from .app import RouterState
 
 log = logging.getLogger(__name__)
-
-REREGISTER_PREFIX = "reload:"
-"""Request-id prefix of the zero-token requests that re-register idle sessions."""
-
 
 @dataclass(frozen=True, slots=True)
 class ReloadResult:
@@ -100,28 +93,6 @@ def check_reload(
         )
 
 
-def _reregister(state: RouterState, policy: Policy, now: float) -> None:
-    runner = state.runner
-    for entry in runner.held():
-        policy.on_hold(entry.req, now)
-    busy: set[str] = set()
-    for f in state.dispatcher.in_flight.values():
-        policy.on_placed(f.meta, f.engine_id, now)
-        busy.add(f.meta.session_key)
-    for key, rec in runner.sessions.items():
-        if key in busy or rec.engine_id is None or not rec.multi_turn:
-            continue
-        ghost = RequestMeta(
-            request_id=REREGISTER_PREFIX + key,
-            workload_class=rec.workload_class,
-            session_id=key,
-            turn=1,
-        )
-        policy.on_placed(ghost, rec.engine_id, now)
-        policy.on_finished(ghost, rec.engine_id, Completion(0, 0, ok=True), now)
-    policy.on_metrics(state.registry.snapshots(), now)
-
-
 def apply_config(state: RouterState, new: RouterConfig, source: str) -> ReloadResult:
     """Apply ``new`` atomically (no await inside), or raise without changing anything."""
     old = state.config
@@ -133,14 +104,14 @@ def apply_config(state: RouterState, new: RouterConfig, source: str) -> ReloadRe
     check_reload(old, new, live)
     changes = changed_fields(old, new)
     now = state.clock()
-    rebuilt = old.policy != new.policy
-    if rebuilt:
-        policy = build_policy(new.policy, new.workloads)  # may raise: nothing changed yet
-        runner.policy = policy
-        runner.set_mix(new.workloads)
-        _reregister(state, policy, now)
-    elif old.workloads != new.workloads:
-        runner.set_mix(new.workloads)
+    rebuilt = False
+    if old.policy != new.policy or old.workloads != new.workloads:
+        # Knob changes are applied in place (what the policy learned survives); a change
+        # of policy hands the live state (held, sessions, in flight) to a new policy object.
+        in_flight = [(f.meta, f.engine_id) for f in state.dispatcher.in_flight.values()]
+        rebuilt = runner.apply_settings(new.policy, new.workloads, now, in_flight)
+        if rebuilt:
+            runner.on_metrics(state.registry.snapshots(), now)
     state.config = new
     state.config_hash = new_hash
     state.last_reload_error = None

@@ -81,9 +81,9 @@ def _parse_turn(value: object, param: str) -> int:
             value = int(value.strip())
         except ValueError:
             raise InvalidRequest(f"{param} must be an integer >= 0", param=param) from None
-    if not _is_int(value) or value < 0:  # type: ignore[operator]
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise InvalidRequest(f"{param} must be an integer >= 0", param=param)
-    return int(value)  # type: ignore[arg-type]
+    return value
 
 
 def _merge(header: object | None, body: object | None, param: str) -> object | None:

@@ -24,6 +24,8 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from pydantic import BaseModel, ConfigDict, Field
+
 from misat_router.policy.registry import build_policy
 from misat_router.policy.runner import PolicyRunner
 from misat_router.policy.settings import ClassSpec, PolicySettings, WorkloadMix
@@ -31,7 +33,6 @@ from misat_router.policy.types import Completion, EngineSnapshot, RequestMeta
 from misat_sim.config import SimEngineConfig
 from misat_sim.engine import FinishedRequest, SimEngine
 from misat_sim.workload import RolloutClass, SessionPlan, Workload, WorkloadSpec
-from pydantic import BaseModel, ConfigDict, Field
 
 
 class ClusterConfig(BaseModel):

@@ -9,9 +9,10 @@ can be printed and exported (``vllm:cache_config_info``).
 
 from __future__ import annotations
 
+from pydantic import BaseModel, ConfigDict, Field
+
 from misat_sim.profiles import EngineProfile, get_profile
 from misat_sim.step_time import StepTimeModel
-from pydantic import BaseModel, ConfigDict, Field
 
 DEFAULT_TIME_SCALE: float = 50.0
 """Modelled seconds per wall second in the HTTP server: a modelled 50 ms step takes 1 ms."""

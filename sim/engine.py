@@ -9,8 +9,10 @@ discrete-event cluster (stepping in virtual time).
 - ``step(now)`` runs one vLLM step starting at ``max(now, clock)``.
 - ``advance(now, until)`` runs steps while they start before ``until`` (the
   caller's next external event), applying runs of identical decode steps at
-  once (``Scheduler.plan_decode_run``): the per-step result is the same as
-  stepping one by one, the cost is per event instead of per step.
+  once (``Scheduler.run_decode_steps``): the per-step result is the same as
+  stepping one by one, the cost is per event instead of per step. Within a
+  step, too, the cost is per event: requests in steady decode are lazy (see
+  ``misat_sim.scheduler``).
 - ``counters`` holds what ``/metrics`` exports; finished requests carry their
   timestamps for the latency histograms.
 
@@ -28,7 +30,7 @@ from dataclasses import dataclass, field
 from misat_sim.config import EngineLimits, SimEngineConfig
 from misat_sim.kv_cache import block_hashes_for
 from misat_sim.request import FinishReason, SimRequest
-from misat_sim.scheduler import Scheduler
+from misat_sim.scheduler import ScheduleOutput, Scheduler
 
 
 @dataclass(slots=True)
@@ -59,17 +61,39 @@ class StepResult:
     start: float
     duration: float = 0.0
     num_steps: int = 0
-    new_tokens: dict[str, int] = field(default_factory=dict)
-    """Tokens emitted per request id (requests whose prefill is still partial are absent)."""
     first_tokens: list[str] = field(default_factory=list)
     """Requests that emitted their first token."""
     finished: list[FinishedRequest] = field(default_factory=list)
     num_preempted: int = 0
+    _tokens: dict[str, int] = field(default_factory=dict)
+    _lazy: list[tuple[SimRequest, int]] | None = None
+    _g0: int = 0
+    _g1: int = 0
 
     @property
     def end(self) -> float:
         """Modelled time at which the last step ended."""
         return self.start + self.duration
+
+    @property
+    def new_tokens(self) -> dict[str, int]:
+        """Tokens emitted per request id (requests whose prefill is still partial are absent).
+
+        Built on first access: requests in lazy decode emitted one token per
+        step since they became lazy or since the call began, and counting that
+        per request on every call would make a step cost per running request.
+        """
+        lazy = self._lazy
+        if lazy is not None:
+            self._lazy = None
+            nt = self._tokens
+            g0, g1 = self._g0, self._g1
+            for req, bg in lazy:
+                k = g1 - (bg if bg > g0 else g0)
+                if k > 0:
+                    rid = req.request_id
+                    nt[rid] = nt.get(rid, 0) + k
+        return self._tokens
 
 
 @dataclass(slots=True)
@@ -195,9 +219,9 @@ class SimEngine:
     def step(self, now: float) -> StepResult:
         """Run one step starting at ``max(now, clock)``; an idle engine returns a 0-step result."""
         start = now if now > self.clock else self.clock
-        result = StepResult(start=start)
+        result = self._begin(start)
         self._one_step(start, result)
-        return result
+        return self._seal(result)
 
     def advance(self, now: float, until: float) -> StepResult:
         """Run every step that starts before ``until`` (while there is work).
@@ -206,22 +230,39 @@ class SimEngine:
         ``clock`` ends at the end of the last step run (possibly past ``until``).
         """
         start = now if now > self.clock else self.clock
-        result = StepResult(start=start)
+        result = self._begin(start)
         sched = self.scheduler
         t = start
         while t < until and (sched.running or sched.waiting):
-            pure_decode = self._one_step(t, result)
+            out = self._one_step(t, result)
             t = self.clock
-            if pure_decode and t < until:
+            if out is not None and t < until and sched.can_run_decode_steps(out):
                 self._decode_run(t, until, result)
                 t = self.clock
+        return self._seal(result)
+
+    def _begin(self, start: float) -> StepResult:
+        sched = self.scheduler
+        sched.call_g0 = sched.clock.g
+        sched.call_tokens = {}
+        return StepResult(start=start)
+
+    def _seal(self, result: StepResult) -> StepResult:
+        """Attach what ``StepResult.new_tokens`` needs (explicit counts, lazy bases)."""
+        sched = self.scheduler
+        result._tokens = sched.call_tokens
+        sched.call_tokens = {}
+        result._g0 = sched.call_g0
+        result._g1 = sched.clock.g
+        if result._g1 > result._g0 and sched.num_lazy:
+            result._lazy = sched.lazy_snapshot()
         return result
 
-    def _one_step(self, start: float, result: StepResult) -> bool:
+    def _one_step(self, start: float, result: StepResult) -> ScheduleOutput | None:
         sched = self.scheduler
         if not (sched.running or sched.waiting):
             self.clock = max(self.clock, start)
-            return False
+            return None
         preempted_before = sched.num_preemptions
         out = sched.schedule()
         duration = self.step_time.step_duration(out.prefill_tokens, out.decoding_seqs, out.kv_tokens_read)
@@ -231,8 +272,7 @@ class SimEngine:
                 req.first_scheduled_time = start
         produced, finished = sched.update_after_step(out)
         counters = self.counters
-        new_tokens = result.new_tokens
-        gen = len(produced)
+        new_tokens = sched.call_tokens
         for req in produced:
             rid = req.request_id
             new_tokens[rid] = new_tokens.get(rid, 0) + 1
@@ -240,41 +280,40 @@ class SimEngine:
                 req.first_token_time = end
                 counters.prompt_tokens += req.num_prompt_tokens
                 result.first_tokens.append(rid)
-        counters.generation_tokens += gen
+        counters.generation_tokens += len(produced) + out.lazy_seqs
         preempted = sched.num_preemptions - preempted_before
-        counters.num_preemptions += preempted
-        result.num_preempted += preempted
-        self._collect_finished(finished, end, result)
+        if preempted:
+            counters.num_preemptions += preempted
+            result.num_preempted += preempted
+        if finished:
+            self._collect_finished(finished, end, result)
         counters.num_steps += 1
         counters.busy_time += duration
         result.num_steps += 1
         result.duration = end - result.start
         self.clock = end
-        return out.is_pure_decode
+        return out
 
     def _decode_run(self, start: float, until: float, result: StepResult) -> None:
         sched = self.scheduler
-        running = sched.running
-        n_seqs = len(running)
-        k = sched.plan_decode_run(max_steps=1 << 62)
-        if k <= 1:
+        n_seqs = sched.num_lazy
+        k = sched.steps_to_next_finish()
+        kv_read0 = sched.lazy_kv_read()
+        step_time = self.step_time
+        k = step_time.decode_steps_starting_before(until - start, n_seqs, kv_read0, k)
+        if k < 1:
             return
-        kv_read0 = sum(r.num_computed_tokens for r in running) + n_seqs
-        k = self.step_time.decode_steps_starting_before(until - start, n_seqs, kv_read0, k)
-        if k <= 1:
+        k, finished = sched.run_decode_steps(k)
+        if k < 1:
             return
-        duration = self.step_time.decode_run_duration(k, n_seqs, kv_read0)
+        duration = step_time.decode_run_duration(k, n_seqs, kv_read0)
         end = start + duration
-        ids = [r.request_id for r in running]
-        _, finished = sched.apply_decode_run(k)
-        new_tokens = result.new_tokens
-        for rid in ids:
-            new_tokens[rid] = new_tokens.get(rid, 0) + k
         counters = self.counters
         counters.generation_tokens += k * n_seqs
         counters.num_steps += k
         counters.busy_time += duration
-        self._collect_finished(finished, end, result)
+        if finished:
+            self._collect_finished(finished, end, result)
         result.num_steps += k
         result.duration = end - result.start
         self.clock = end

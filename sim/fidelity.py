@@ -684,9 +684,7 @@ class Comparison(BaseModel):
     preemptions_ok: bool
     real_peak_waiting: float
     sim_peak_waiting: float
-    same_pressure: bool = Field(
-        description="both preempt and queue, or neither does (the collapse reproduces)"
-    )
+    same_pressure: bool = Field(description="both preempt and queue, or neither does (the collapse reproduces)")
     order_distance: float
 
 

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from misat_sim.engine import FinishedRequest, SimEngine
-from misat_sim.request import FinishReason
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from misat_sim.engine import FinishedRequest, SimEngine
+from misat_sim.request import FinishReason
 
 TTFT_BUCKETS: tuple[float, ...] = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,

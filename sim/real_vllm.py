@@ -119,9 +119,7 @@ def server_command(spec: VllmServerSpec, python: str = sys.executable) -> list[s
     return cmd
 
 
-def server_env(
-    spec: VllmServerSpec, cache_root: Path, base: Mapping[str, str] | None = None
-) -> dict[str, str]:
+def server_env(spec: VllmServerSpec, cache_root: Path, base: Mapping[str, str] | None = None) -> dict[str, str]:
     """Environment for ``spec``'s server: offline, no telemetry, pinned to one core.
 
     ``VLLM_CPU_KVCACHE_SPACE`` is removed: an empty value crashes the worker and
@@ -185,9 +183,7 @@ class ServerStartError(RuntimeError):
     """A server exited or did not become healthy in time; the message holds its log tail."""
 
 
-def start_server(
-    spec: VllmServerSpec, python: str = sys.executable, workdir: Path | None = None
-) -> RunningServer:
+def start_server(spec: VllmServerSpec, python: str = sys.executable, workdir: Path | None = None) -> RunningServer:
     """Launch ``spec``'s server in its own process group and return at once.
 
     The child runs in a private temporary directory (also its ``VLLM_CACHE_ROOT``)
@@ -308,9 +304,7 @@ def default_specs(model_dir: Path, count: int = 2, **overrides: object) -> list[
     """``count`` servers on free ports, server ``i`` pinned to core ``i % cpu_count``."""
     cores = os.cpu_count() or 1
     return [
-        VllmServerSpec.model_validate(
-            {"model_dir": model_dir, "port": free_port(), "core": i % cores, **overrides}
-        )
+        VllmServerSpec.model_validate({"model_dir": model_dir, "port": free_port(), "core": i % cores, **overrides})
         for i in range(count)
     ]
 

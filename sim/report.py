@@ -12,11 +12,15 @@ from __future__ import annotations
 import math
 from collections import Counter
 
-from misat_sim.workload import RolloutClass
 from pydantic import BaseModel, Field
+
+from misat_sim.workload import RolloutClass
 
 SECONDS_PER_MINUTE: float = 60.0
 """Sample and request rates are reported per minute, as the paper does."""
+
+ERROR_DETAIL_CHARS: int = 300
+"""Error examples are truncated: enough for an engine's error message, not a page."""
 
 
 def tv_distance_points(target: dict[str, float], consumed: dict[str, float]) -> float:
@@ -86,6 +90,7 @@ class TrainerReport(BaseModel):
     retries: int = Field(description="503 + Retry-After answers that were retried")
     errors: int = Field(description="requests given up on; their unit is not completed")
     errors_by_kind: dict[str, int]
+    error_examples: dict[str, str] = Field(description="first message seen per error kind")
     missing_token_ids: int = Field(description="responses without token_ids (synthetic used)")
     bucket_s: float
     throughput_series: list[SeriesPoint]
@@ -105,6 +110,7 @@ class RunStats:
         self.target_sum: dict[RolloutClass, float] = dict.fromkeys(RolloutClass, 0.0)
         self.retries = 0
         self.errors: Counter[str] = Counter()
+        self.error_examples: dict[str, str] = {}
         self.missing_token_ids = 0
         self.iteration_times: list[float] = []
         self.buckets: Counter[int] = Counter()
@@ -135,9 +141,10 @@ class RunStats:
         """A 503 was answered by waiting and retrying."""
         self.retries += 1
 
-    def on_error(self, kind: str) -> None:
-        """A request was given up on (``kind``: e.g. ``http_500``, ``timeout``)."""
+    def on_error(self, kind: str, detail: str = "") -> None:
+        """A request was given up on (``kind``: e.g. ``http_500``); keeps the first detail."""
         self.errors[kind] += 1
+        self.error_examples.setdefault(kind, detail[:ERROR_DETAIL_CHARS])
 
     def on_missing_token_ids(self) -> None:
         """A response carried no output token ids."""
@@ -193,6 +200,7 @@ class RunStats:
             retries=self.retries,
             errors=sum(self.errors.values()),
             errors_by_kind=dict(self.errors),
+            error_examples=dict(self.error_examples),
             missing_token_ids=self.missing_token_ids,
             bucket_s=self.bucket_s,
             throughput_series=series,

@@ -28,6 +28,23 @@ FIRST_REGULAR_TOKEN_ID: int = 3
 """Ids below this are special (pad/unk, BOS, EOS in a Llama vocabulary); never generated."""
 
 
+class StepCounter:
+    """The scheduler's count of steps run, shared by its requests.
+
+    A request in steady decode is not touched per step (see ``Scheduler``):
+    its token counts are a base plus the steps run since, read through this.
+    """
+
+    __slots__ = ("g",)
+
+    def __init__(self) -> None:
+        self.g = 0
+
+
+_DETACHED = StepCounter()
+"""Counter of requests not (yet) in a scheduler; they are never lazy."""
+
+
 class RequestStatus(StrEnum):
     """Where a request is in the scheduler's state machine."""
 
@@ -61,7 +78,13 @@ class SimRequest:
     """Mutable state of one request, shaped like vLLM's ``Request``."""
 
     __slots__ = (
+        "_bg",
         "_block_hashes",
+        "_clock",
+        "_comp",
+        "_ev",
+        "_fin",
+        "_out",
         "_rng",
         "arrival_time",
         "block_size",
@@ -75,13 +98,12 @@ class SimRequest:
         "max_tokens",
         "num_cached_blocks",
         "num_cached_tokens",
-        "num_computed_tokens",
-        "num_output_tokens",
         "num_preemptions",
         "num_prompt_tokens",
         "output_token_ids",
         "prompt_token_ids",
         "request_id",
+        "run_seq",
         "status",
         "stop_length",
         "stops_on_eos",
@@ -118,8 +140,17 @@ class SimRequest:
         self.stops_on_eos = stop <= max_tokens
         self.stop_length = min(stop, max_tokens)
         self.output_token_ids: list[int] = []
-        self.num_output_tokens = 0
-        self.num_computed_tokens = 0
+        self._out = 0
+        self._comp = 0
+        self._bg = -1
+        """Step count at which lazy decode started; -1 while the counts are explicit."""
+        self._clock = _DETACHED
+        self._ev = -1
+        """Step at which a lazy request needs explicit handling (a block fills or is needed)."""
+        self._fin = -1
+        """Step at which a lazy request finishes."""
+        self.run_seq = -1
+        """Admission number: running order is increasing ``run_seq``."""
         self.blocks: list[KVBlock] = []
         self.num_cached_blocks = 0
         self._block_hashes: list[int] = prompt_block_hashes if prompt_block_hashes is not None else []
@@ -130,6 +161,30 @@ class SimRequest:
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
         self.finish_reason: FinishReason | None = None
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Output tokens emitted so far (a lazy request's base plus the steps run since)."""
+        bg = self._bg
+        return self._out if bg < 0 else self._out + self._clock.g - bg
+
+    @num_output_tokens.setter
+    def num_output_tokens(self, value: int) -> None:
+        if self._bg >= 0:
+            raise RuntimeError("cannot set the counts of a request in lazy decode")
+        self._out = value
+
+    @property
+    def num_computed_tokens(self) -> int:
+        """Tokens whose KV is computed (a lazy request's base plus the steps run since)."""
+        bg = self._bg
+        return self._comp if bg < 0 else self._comp + self._clock.g - bg
+
+    @num_computed_tokens.setter
+    def num_computed_tokens(self, value: int) -> None:
+        if self._bg >= 0:
+            raise RuntimeError("cannot set the counts of a request in lazy decode")
+        self._comp = value
 
     @property
     def num_tokens(self) -> int:

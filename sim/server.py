@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
+from pydantic import BaseModel, ValidationError
+
 from misat_sim.config import DEFAULT_TIME_SCALE, SimEngineConfig
 from misat_sim.engine import FinishedRequest, SimEngine
 from misat_sim.engine_loop import EngineLoop, RequestStream, TokenDelta
@@ -41,7 +43,6 @@ from misat_sim.openai_protocol import (
 )
 from misat_sim.profiles import PROFILES
 from misat_sim.tokenizer import WordTokenizer, render_chat
-from pydantic import BaseModel, ValidationError
 
 SIM_VERSION: str = "0.32.0+misat-sim"
 """Reported by ``/version``: the vLLM version whose surface is reproduced."""

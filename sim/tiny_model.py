@@ -107,9 +107,7 @@ def build(outdir: Path, seed: int = DEFAULT_SEED) -> Path:
     outdir.mkdir(parents=True, exist_ok=True)
     build_model(outdir, seed)
     build_tokenizer(outdir)
-    (outdir / "misat-tiny-model.json").write_text(
-        json.dumps({"seed": seed, "vocab_size": VOCAB_SIZE}, indent=2) + "\n"
-    )
+    (outdir / "misat-tiny-model.json").write_text(json.dumps({"seed": seed, "vocab_size": VOCAB_SIZE}, indent=2) + "\n")
     return outdir
 
 

@@ -34,9 +34,10 @@ from functools import partial
 from typing import Any, Literal
 
 import aiohttp
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
 from misat_sim.report import RunStats, TrainerReport, Usage
 from misat_sim.workload import RolloutClass, SessionPlan, Workload, WorkloadSpec
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 Sleep = Callable[[float], Awaitable[None]]
 Clock = Callable[[], float]
@@ -251,9 +252,9 @@ class Trainer:
                 async with self._session.request(hook.method, hook.url) as resp:
                     await resp.read()
                     if resp.status >= 400:
-                        self.stats.on_error(f"hook_http_{resp.status}")
-            except (aiohttp.ClientError, TimeoutError):
-                self.stats.on_error("hook_unreachable")
+                        self.stats.on_error(f"hook_http_{resp.status}", f"{hook.method} {hook.url}")
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                self.stats.on_error("hook_unreachable", f"{hook.method} {hook.url}: {exc}")
 
     # --- one unit -----------------------------------------------------------------------
 
@@ -305,15 +306,15 @@ class Trainer:
                             resp.headers.get("Retry-After"), self.config.retry_after_default_s
                         )
                     elif resp.status != 200:
-                        await resp.read()
-                        self.stats.on_error(f"http_{resp.status}")
+                        detail = await resp.text(errors="replace")
+                        self.stats.on_error(f"http_{resp.status}", detail)
                         raise _GiveUp
                     elif self.config.stream:
                         ids, usage = await _read_stream(resp)
                     else:
                         ids, usage = _read_json(await resp.json())
             except (aiohttp.ClientError, TimeoutError, json.JSONDecodeError) as exc:
-                self.stats.on_error(type(exc).__name__)
+                self.stats.on_error(type(exc).__name__, str(exc))
                 raise _GiveUp from exc
             if delay is not None:
                 self.stats.on_retry()

@@ -27,8 +27,9 @@ from enum import StrEnum
 from statistics import NormalDist
 from typing import Any, Literal
 
-from misat_sim.scale import DEFAULT_LENGTH_SCALE
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from misat_sim.scale import DEFAULT_LENGTH_SCALE
 
 Z95: float = NormalDist().inv_cdf(0.95)
 """Standard-normal 95th percentile (1.64485): links a lognormal's p50 to its p95."""

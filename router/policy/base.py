@@ -110,6 +110,22 @@ class Policy(ABC):
         """A new workload mixture (hot reload); what the policy learned is kept."""
         self.mix = mix
 
+    def set_settings(self, settings: PolicySettings) -> bool:
+        """Take new knobs in place (hot reload), keeping what was learned.
+
+        Returns False when the change needs a different policy object (another
+        policy name); the runner then builds one and hands it the live state.
+        """
+        if settings.name is not self.settings.name:
+            return False
+        self.settings = settings
+        return True
+
+    def adopt_session(  # noqa: B027
+        self, session_key: str, workload_class: str, engine_id: str, admitted_at: float, now: float
+    ) -> None:
+        """A session that lives on ``engine_id`` from before this policy object existed."""
+
     def describe(self) -> dict[str, object]:
         """State worth showing in ``/status`` (JSON-serialisable)."""
         return {"policy": self.name.value, "in_flight": dict(self.load.items())}

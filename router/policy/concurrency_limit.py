@@ -72,6 +72,17 @@ class ConcurrencyLimited(Policy):
     def set_mix(self, mix: WorkloadMix) -> None:
         self.inner.set_mix(mix)
 
+    def set_settings(self, settings: PolicySettings) -> bool:
+        if settings.concurrency_limit is None or not self.inner.set_settings(settings):
+            return False
+        self.limit = settings.concurrency_limit
+        return True
+
+    def adopt_session(
+        self, session_key: str, workload_class: str, engine_id: str, admitted_at: float, now: float
+    ) -> None:
+        self.inner.adopt_session(session_key, workload_class, engine_id, admitted_at, now)
+
     def on_metrics(self, engines: Engines, now: float) -> None:
         self.inner.on_metrics(engines, now)
 

@@ -33,6 +33,14 @@ class WindowPercentile:
         self._cached: float | None = None
         self._dirty = False
 
+    def reconfigure(self, window: int, pct: float, min_samples: int) -> None:
+        """New window, percentile or sample floor; the newest samples are kept."""
+        if window != self._samples.maxlen:
+            self._samples = deque(self._samples, maxlen=window)
+        self.pct = pct
+        self.min_samples = min_samples
+        self._dirty = True
+
     def add(self, value: float) -> None:
         self._samples.append(float(value))
         self._dirty = True

@@ -422,6 +422,39 @@ class MisaPolicy(Policy):
         self.mix = mix
         self._set_mix_bounds(mix)
 
+    def set_settings(self, settings: PolicySettings) -> bool:
+        """New knobs in place: estimates, hit history and live sessions are kept.
+
+        A new prefix block size or chunking invalidates the index's keys, so the
+        index starts empty; it refills as prompts are placed.
+        """
+        if settings.name is not self.settings.name and not (
+            settings.name.uses_admission and self.settings.name.uses_admission
+        ):
+            return False
+        old = self.settings
+        self.settings = settings
+        self.name = settings.name
+        self.budgets_on = settings.name.uses_class_budgets
+        self.residency_on = settings.name.uses_residency
+        if settings.prefix != old.prefix:
+            self.index = PrefixIndex(settings.prefix)
+            self._key_memo.clear()
+        for guard in self.guards.values():
+            guard.settings = settings.admission
+        for estimators, cfg in ((self.footprint, settings.footprint), (self.residency, settings.residency)):
+            for est in estimators.values():
+                est.reconfigure(cfg.window, cfg.percentile, cfg.min_samples)
+        self._set_mix_bounds(self.mix)
+        return True
+
+    def adopt_session(
+        self, session_key: str, workload_class: str, engine_id: str, admitted_at: float, now: float
+    ) -> None:
+        if session_key not in self.sessions:
+            self.sessions[session_key] = LiveSession(workload_class, engine_id, admitted_at)
+            self._count(engine_id, workload_class, 1)
+
     # ---- reporting ------------------------------------------------------
 
     def describe(self) -> dict[str, object]:

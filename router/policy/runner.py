@@ -17,11 +17,12 @@ Pure like the policies: no clock (``now`` is passed in), no I/O.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from .base import Engines, Policy
 from .mixture import MixtureTracker
-from .settings import WorkloadMix
+from .settings import PolicySettings, WorkloadMix
 from .types import Completion, Decision, Reason, RequestMeta
 
 
@@ -170,6 +171,41 @@ class PolicyRunner:
     def reset_prefix_caches(self, now: float) -> None:
         """The caller reset every engine's prefix cache (weight update)."""
         self.policy.on_prefix_cache_reset(now)
+
+    def apply_settings(
+        self,
+        settings: PolicySettings,
+        mix: WorkloadMix,
+        now: float,
+        in_flight: Iterable[tuple[RequestMeta, str]] = (),
+    ) -> bool:
+        """New policy settings and mixture (hot reload), applied between decisions.
+
+        Knob changes are taken in place, so footprint, residency and hit-rate
+        history survive. A change of policy (or adding/removing the static
+        concurrency limit) builds a new policy object and hands it the live
+        state: held work, live sessions on their engines, and the requests in
+        flight (``(request, engine_id)`` pairs, which only the caller knows).
+        Returns True when the policy object was rebuilt.
+        """
+        old = self.policy.settings
+        same_shape = (settings.concurrency_limit is None) == (old.concurrency_limit is None)
+        if same_shape and self.policy.set_settings(settings):
+            self.set_mix(mix)
+            return False
+        from .registry import build_policy  # the registry imports every policy; keep it off import paths
+
+        policy = build_policy(settings, mix)
+        for entry in self._held.values():
+            policy.on_hold(entry.req, now)
+        for key, rec in self.sessions.items():
+            if rec.engine_id is not None:
+                policy.adopt_session(key, rec.workload_class, rec.engine_id, rec.started_at, now)
+        for req, engine_id in in_flight:
+            policy.on_placed(req, engine_id, now)
+        self.policy = policy
+        self.set_mix(mix)
+        return True
 
     def set_mix(self, mix: WorkloadMix) -> None:
         self.mix = mix

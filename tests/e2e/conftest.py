@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from misat_sim.real_vllm import RunningServer, default_specs, real_vllm_servers
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -45,8 +46,7 @@ def vllm_servers(tiny_model_dir: Path) -> Iterator[list[RunningServer]]:
     """Two real vLLM servers (cores 0 and 1), healthy; stopped by pid at session end."""
     if importlib.util.find_spec("vllm") is None:
         pytest.fail(
-            f"vllm is not importable from {sys.executable}: run `make e2e` "
-            "(it installs the e2e extra into .venv-e2e)",
+            f"vllm is not importable from {sys.executable}: run `make e2e` (it installs the e2e extra into .venv-e2e)",
             pytrace=False,
         )
     specs = default_specs(tiny_model_dir, count=2)

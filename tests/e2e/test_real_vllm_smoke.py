@@ -20,6 +20,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+
 from misat_sim.fidelity import (
     FIRST_TOKEN_ID,
     M_PREEMPTIONS,
@@ -69,9 +70,7 @@ def _get(url: str) -> tuple[int, bytes]:
 
 
 def _post(url: str, body: dict[str, object]) -> dict[str, object]:
-    req = urllib.request.Request(
-        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=30) as resp:
         return dict(json.loads(resp.read()))
 
@@ -145,9 +144,7 @@ def test_parse_metrics_sums_engines_and_histogram_means() -> None:
     assert parse_metrics(text, model_name="tiny")[M_PREEMPTIONS] == 7
     assert parse_metrics(text)[M_PREEMPTIONS] == 107
     before = {"vllm:e2e_request_latency_seconds_count": 2.0, "vllm:e2e_request_latency_seconds_sum": 0.2}
-    assert histogram_means(parse_metrics(text), before) == {
-        "vllm:e2e_request_latency_seconds": pytest.approx(0.9)
-    }
+    assert histogram_means(parse_metrics(text), before) == {"vllm:e2e_request_latency_seconds": pytest.approx(0.9)}
 
 
 def _result(trace: str, hit: float, pre: float, waiting: float, order: list[str]) -> FidelityResult:

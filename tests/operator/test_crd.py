@@ -23,9 +23,10 @@ import celpy.celtypes as celtypes
 import jsonschema
 import pytest
 import yaml
+from pydantic import ValidationError
+
 from misat_operator.crd import CRD_PATHS, build_crd, render_yaml
 from misat_operator.models import RolloutPoolSpec
-from pydantic import ValidationError
 
 ROOT = Path(__file__).resolve().parents[2]
 POOL_EXAMPLES = [

@@ -6,6 +6,8 @@ import copy
 from typing import Any
 
 import pytest
+from pydantic import ValidationError
+
 from misat_operator.models import (
     CLASS_NAME_PATTERN,
     MANAGED_ENGINE_FLAGS,
@@ -14,7 +16,6 @@ from misat_operator.models import (
     pool_name_error,
 )
 from misat_router.policy.settings import ClassSpec, PolicyName, PolicySettings
-from pydantic import ValidationError
 
 
 def test_minimal_spec_takes_router_defaults() -> None:

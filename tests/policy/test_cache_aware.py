@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import pytest
+
 from misat_router.policy.cache_aware import CacheAwarePolicy
 from misat_router.policy.settings import (
     CacheAwareSettings,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
+
 from misat_router.policy.misa import MisaPolicy
 from misat_router.policy.runner import PolicyRunner
 from misat_router.policy.settings import (
@@ -310,3 +311,35 @@ def test_idle_multi_turn_session_expires() -> None:
     assert "idle" in runner.sessions
     runner.epoch(eng, 31.0)
     assert "idle" not in runner.sessions and runner.sessions_ended_idle == 1
+
+
+def test_knob_change_keeps_learned_estimates_and_sessions() -> None:
+    runner = make_runner()
+    teach(runner, "rlvr", 3000, 5.0)
+    eng = engines(1, capacity=10**6)
+    r = req("agentic", session="keep-me")
+    runner.submit(r, eng, 10.0)
+    before = runner.policy
+    new = before.settings.model_copy(update={"kv_budget_fraction": 0.5})
+    rebuilt = runner.apply_settings(new, runner.mix, 11.0)
+    assert not rebuilt and runner.policy is before
+    assert runner.policy.footprint_of("rlvr") == 3000  # type: ignore[attr-defined]
+    assert runner.policy.settings.kv_budget_fraction == 0.5
+
+
+def test_policy_switch_hands_over_live_state() -> None:
+    runner = make_runner(PolicyName.CACHE_AWARE)
+    eng = engines(2, capacity=10**6)
+    live = req("agentic", session="carried")
+    d = runner.submit(live, eng, 0.0)
+    runner.finish(live, d.engine_id, Completion(10, 10), 1.0)  # type: ignore[arg-type]
+    busy = req("rlvr")
+    d2 = runner.submit(busy, eng, 1.0)
+    rebuilt = runner.apply_settings(PolicySettings(name=PolicyName.MISA_T), runner.mix, 2.0,
+                                    in_flight=[(busy, d2.engine_id)])  # type: ignore[list-item]
+    assert rebuilt
+    policy = runner.policy
+    assert policy.sessions["carried"].engine_id == d.engine_id  # type: ignore[attr-defined]
+    assert policy.load.total == 1
+    cont = runner.submit(req("agentic", session="carried", turn=1), eng, 3.0)
+    assert cont.reason is Reason.CONTINUATION and cont.engine_id == d.engine_id

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from misat_router.policy.budgets import allocate, class_session_cap
 from misat_router.policy.registry import build_policy
 from misat_router.policy.runner import PolicyRunner

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from misat_router.policy.prefix_index import PrefixIndex, PromptKeys, prompt_keys, token_block_keys
 from misat_router.policy.settings import PrefixIndexSettings
 from misat_router.policy.types import RequestMeta

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from misat_router.policy.radix_tree import RadixTree, text_tree, token_tree
 
 ENGINES = ("a", "b", "c")

@@ -5,9 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
+
 from misat_router.policy.settings import ClassSpec, PolicySettings, WorkloadMix
 from misat_router.policy.settings_doc import render
-from pydantic import ValidationError
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "settings.md"
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from misat_router.policy.concurrency_limit import ConcurrencyLimited
 from misat_router.policy.registry import build_policy
 from misat_router.policy.runner import PolicyRunner

@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
+
 from misat_router.app import STATE, RouterState, create_app
 from misat_router.config import RouterConfig
 

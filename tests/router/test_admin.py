@@ -55,7 +55,7 @@ async def test_put_config_applies_atomically_and_keeps_live_sessions(
                              headers={"X-Rollout-Class": "agentic", "X-Session-Id": "s1"}) as r:
             assert r.status == 200
         doc = config_doc(h, generation=2)
-        doc["policy"]["name"] = "least-loaded"
+        doc["policy"]["name"] = "misa-t"
         doc["workloads"]["classes"][0]["share"] = 30
         doc["workloads"]["classes"][1]["share"] = 30
         async with http.put(h.url + "/admin/config", data=yaml.safe_dump(doc), headers=AUTH) as r:
@@ -65,10 +65,13 @@ async def test_put_config_applies_atomically_and_keeps_live_sessions(
         assert set(result["changes"]) == {"generation", "policy", "workloads"}
         async with http.get(h.url + "/status") as r:
             status = await r.json()
-    assert status["generation"] == 2 and status["policy"] == "least-loaded"
+    assert status["generation"] == 2 and status["policy"] == "misa-t"
     assert status["config_hash"] == h.state.config.config_hash()
     assert {c["name"]: c["target_share"] for c in status["classes"]}["rlvr"] == pytest.approx(0.3)
     assert "s1" in h.state.runner.sessions  # the live session survived the policy swap
+    # ... and the new policy counts it against its engine's caps.
+    agentic = [k for k in status["kv"] if k["workload_class"] == "agentic"]
+    assert [k["sessions"] for k in agentic] == [1]
 
 
 @pytest.mark.parametrize(

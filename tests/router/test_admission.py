@@ -208,6 +208,7 @@ async def test_shutdown_drains_in_flight_and_refuses_held(
         await h.wait(lambda: h.state.dispatcher.draining)
         status, body, _ = await second
         assert status == 503 and b"shutting down" in body
+        assert h.state.runner.held_count() == 0
         eng.gate.set()  # the in-flight request may finish during the drain
         assert (await first)[0] == 200
         await closing

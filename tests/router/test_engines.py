@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from misat_router.engines import EngineRegistry, engine_url
 from misat_router.scrape import VllmMetrics, parse_vllm_metrics
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
+from multidict import CIMultiDict
+
 from misat_router.errors import InvalidRequest
 from misat_router.policy.settings import PrefixIndexSettings, WorkloadMix
 from misat_router.request_meta import EndpointKind, parse_request, render_messages
-from multidict import CIMultiDict
 
 MIX = WorkloadMix.model_validate({"classes": [
     {"name": "rlvr", "share": 50}, {"name": "agentic", "share": 50, "multi_turn": True}]})

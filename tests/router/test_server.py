@@ -6,6 +6,7 @@ import socket
 from pathlib import Path
 
 import pytest
+
 from misat_router.server import main
 
 from .conftest import router_config

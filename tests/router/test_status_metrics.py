@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import aiohttp
-from misat_router.status import RouterStatus, SampleRateMeter
 from prometheus_client.parser import text_string_to_metric_families
+
+from misat_router.status import RouterStatus, SampleRateMeter
 
 from .conftest import BLOCK_SIZE, MODEL, NUM_GPU_BLOCKS, FakeEngine
 

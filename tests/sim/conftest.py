@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from misat_sim.config import SimEngineConfig
 from misat_sim.engine import SimEngine
 

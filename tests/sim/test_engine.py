@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from misat_sim.config import SimEngineConfig
 from misat_sim.profiles import PROFILES, QWEN30B_KV_TOKENS
 from misat_sim.request import FinishReason

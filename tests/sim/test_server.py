@@ -8,9 +8,10 @@ from collections.abc import AsyncIterator, Callable
 import aiohttp
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
 from misat_sim.config import SimEngineConfig
 from misat_sim.server import STATE, RunningServer, build_parser, config_from_args, start_server
-from prometheus_client.parser import text_string_to_metric_families
 
 MODEL = "sim-tiny"
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 from aiohttp import web
+
 from misat_sim.report import RunStats, Usage, tv_distance_points
 from misat_sim.trainer import Hook, Trainer, TrainerConfig, parse_retry_after
 from misat_sim.workload import RolloutClass, WorkloadSpec, plan_agentic
@@ -240,6 +241,7 @@ async def test_retries_are_bounded_and_other_failures_are_errors(stub: Stub):
     stub.unavailable, stub.fail_status = 0, 500
     report = await Trainer(cfg, only(RLHF, group_size={RLHF: 1})).run()
     assert report.errors_by_kind == {"http_500": 1} and report.units_completed == 0
+    assert "boom" in report.error_examples["http_500"]
 
 
 async def test_unreachable_engine_is_an_error_not_a_crash():
@@ -376,3 +378,30 @@ def test_run_stats_series_rates_and_phase_averaged_target():
     assert report.sample_rate_per_min == pytest.approx(2.0)  # 1 unit in 30 s
     assert report.prefix_hit_rate == pytest.approx(0.4)
     assert report.units_in_flight == 0 and report.units_completed == 1
+
+
+# --- against the project's simulated vLLM engine ------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+async def test_trainer_against_the_simulated_engine(stream: bool):
+    server_mod = pytest.importorskip("misat_sim.server")
+    from misat_sim.config import SimEngineConfig
+
+    engine_cfg = SimEngineConfig(time_scale=2000.0)
+    server = await server_mod.start_server(engine_cfg)
+    try:
+        spec = WorkloadSpec(seed=6, length_scale=1 / 128)
+        cfg = TrainerConfig(
+            base_url=server.base_url, model=engine_cfg.model_name(), max_units=20,
+            max_in_flight=8, time_scale=engine_cfg.time_scale, stream=stream,
+        )
+        report = await Trainer(cfg, spec).run()
+    finally:
+        await server.stop()
+    assert report.errors_by_kind == {} and report.missing_token_ids == 0
+    assert report.units_completed == report.units_released >= 20
+    agentic = report.per_class[AGENTIC]
+    assert agentic.units > 0 and agentic.requests > agentic.units  # multi-turn
+    # Continuations resend the engine's own output ids, so its prefix cache hits them.
+    assert agentic.cached_tokens > 0.5 * agentic.prompt_tokens

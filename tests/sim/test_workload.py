@@ -7,6 +7,8 @@ import math
 from collections import Counter
 
 import pytest
+from pydantic import ValidationError
+
 from misat_sim.scale import DEFAULT_LENGTH_SCALE
 from misat_sim.workload import (
     AGENTIC_INPUT,
@@ -28,12 +30,14 @@ from misat_sim.workload import (
     plan_group,
     plan_release,
 )
-from pydantic import ValidationError
 
 RLVR, RLHF, AGENTIC = RolloutClass.RLVR, RolloutClass.RLHF, RolloutClass.AGENTIC
 
-# Unscaled, one sample per group, so each draw is an independent sample of the fitted law.
-FULL_SCALE = WorkloadSpec(length_scale=1.0, group_size={RLVR: 1, RLHF: 1})
+# Unscaled, one sample per group (each draw an independent sample of the fitted law), and
+# a context limit far above the trace, so it trims nothing: this checks the fit itself.
+FULL_SCALE = WorkloadSpec(
+    length_scale=1.0, group_size={RLVR: 1, RLHF: 1}, max_context_tokens=10**8
+)
 N_SINGLE = 4000
 """Samples per single-request statistic: the share below p95 then has a standard error
 of sqrt(0.95 * 0.05 / 4000) = 0.0034, below p50 of 0.0079."""
@@ -112,9 +116,7 @@ def agentic_turn_lengths(spec: WorkloadSpec, n: int) -> tuple[list[int], list[in
 
 
 def test_agentic_per_turn_lengths_match_table_before_scaling():
-    # A context limit far above the trace, so it trims nothing: this checks the fit itself.
-    spec = WorkloadSpec(length_scale=1.0, max_context_tokens=10**8)
-    inputs, outputs, turns = agentic_turn_lengths(spec, 1500)
+    inputs, outputs, turns = agentic_turn_lengths(FULL_SCALE, 1500)
     assert share_below(inputs, AGENTIC_INPUT.p50) == pytest.approx(0.5, abs=0.04)
     assert share_below(inputs, AGENTIC_INPUT.p95) == pytest.approx(0.95, abs=0.015)
     assert share_below(outputs, AGENTIC_OUTPUT.p50) == pytest.approx(0.5, abs=0.03)
@@ -131,6 +133,7 @@ def test_scaling_divides_lengths_by_sixteen_by_default():
     assert rel_quantile_err(outs, 0.5, RLVR_OUTPUT.p50 / 16) < 0.08
     # Same draws as at full scale, only scaled.
     full = plan_group(FULL_SCALE, RLVR, 7)[0].turns[0].max_tokens
+    assert full < 100_000  # (not clipped by the context in either spec)
     assert plan_group(spec, RLVR, 7)[0].turns[0].max_tokens == round(full / 16)
 
 

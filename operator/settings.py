@@ -1,0 +1,71 @@
+"""Operator settings: typed, frozen, read once at start-up from the environment.
+
+Every value has a default with its reason; ``from_env`` names the variable in
+the error when a value is invalid. Settings are passed explicitly to
+``handlers.register`` (no module-level singleton), so tests build their own.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+ENV_PREFIX = "MISAT_OPERATOR_"
+
+
+class OperatorSettings(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    status_interval_s: float = Field(
+        10.0, gt=0.0,
+        description="Seconds between status timer ticks per pool (reads the router's /status and the "
+        "Deployments). 10 s keeps `kubectl get rp` fresh at a few requests a minute per pool.",
+    )
+    router_url: str | None = Field(
+        None,
+        description="Template of a pool's router base URL with {name}, {namespace}, {port}; default: "
+        "the router Service's in-cluster DNS name. Tests and out-of-cluster runs override it.",
+    )
+    cluster_domain: str = Field("cluster.local", min_length=1, description="Cluster DNS suffix.")
+    router_timeout_s: float = Field(
+        3.0, gt=0.0, description="Timeout of one call to a router (push or /status)."
+    )
+    kube_server: str | None = Field(
+        None,
+        description="Kubernetes API URL for the operator's own client (no auth); default: in-cluster "
+        "service account, else the current kubeconfig context.",
+    )
+    post_events: bool = Field(True, description="Post Kubernetes Events for handler outcomes (kopf).")
+    liveness_endpoint: str | None = Field(
+        "http://0.0.0.0:8080/healthz", description="kopf's liveness endpoint (None: off)."
+    )
+
+    def router_base_url(self, name: str, namespace: str, port: int) -> str:
+        if self.router_url:
+            return self.router_url.format(name=name, namespace=namespace, port=port).rstrip("/")
+        from .names import PoolNames
+
+        return PoolNames(name, namespace).router_url(port, self.cluster_domain)
+
+
+class SettingsError(ValueError):
+    """An environment variable holds an invalid value (message names it)."""
+
+
+def from_env(env: Mapping[str, str] | None = None) -> OperatorSettings:
+    """Settings from ``MISAT_OPERATOR_<FIELD>`` variables (e.g. MISAT_OPERATOR_STATUS_INTERVAL_S)."""
+    source = os.environ if env is None else env
+    raw = {
+        name: source[ENV_PREFIX + name.upper()]
+        for name in OperatorSettings.model_fields
+        if ENV_PREFIX + name.upper() in source
+    }
+    try:
+        return OperatorSettings.model_validate(raw)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{ENV_PREFIX}{str(e['loc'][0]).upper()}: {e['msg']}" for e in exc.errors()
+        )
+        raise SettingsError(problems) from None
