@@ -22,7 +22,7 @@ test: $(STAMP) lint
 	$(VENV)/bin/pytest
 
 demo: $(STAMP)
-	$(VENV)/bin/misat replay
+	$(VENV)/bin/misat demo
 
 microbench: $(STAMP)
 	$(PY) bench/policy_microbench.py

@@ -20,6 +20,7 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "demo": ("misat_cli.demo", "main", "the main job: a local RolloutPool under a mixed workload"),
     "up": ("misat_cli.up", "main", "run a RolloutPool manifest locally (simulated or given engines)"),
     "bench": ("misat_sim.bench", "main", "side-by-side benchmark against the vLLM Router"),
+    "operator": ("misat_operator.main", "main", "run the RolloutPool operator (kopf)"),
 }
 
 

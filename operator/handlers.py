@@ -19,6 +19,7 @@ each test runs a fresh one.
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 from dataclasses import dataclass, field
 from typing import Any
@@ -63,15 +64,35 @@ class InvalidPool(Exception):
 
 @dataclass
 class Runtime:
-    """Clients shared by all handlers; created on operator start-up, closed on cleanup."""
+    """Clients shared by all handlers (created on start-up, closed on cleanup), and per-pool
+    serialisation: reconcile and the status timer of one pool never interleave, and each writes
+    its status inside the pool's lock, so an older observation can never overwrite a newer one."""
 
     settings: OperatorSettings
     kube: KubeClient | None = None
     router: RouterClient = field(default_factory=RouterClient)
+    locks: dict[str, asyncio.Lock] = field(default_factory=dict)
+    reconciled: dict[str, int] = field(default_factory=dict)
+    """Latest generation a reconcile started on, per pool uid (a timer with an older body skips)."""
+    conditions: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    """Conditions last written per pool uid (transition times survive a stale handler body)."""
+    stopping: bool = False
+    """Set on cleanup: kopf may still tick timers while it exits; they must not reopen clients."""
 
     def kube_client(self) -> KubeClient:
         assert self.kube is not None, "operator not started"
         return self.kube
+
+    def lock(self, uid: str) -> asyncio.Lock:
+        return self.locks.setdefault(uid, asyncio.Lock())
+
+    def known_conditions(self, uid: str, status: Any) -> Any:
+        return self.conditions.get(uid) or status.get("conditions")
+
+    async def write_status(self, ref: PoolRef, body: dict[str, Any]) -> None:
+        await self.kube_client().patch_pool_status(ref.namespace, ref.name, body)
+        if "conditions" in body:
+            self.conditions[ref.uid] = body["conditions"]
 
 
 def kube_credentials(settings: OperatorSettings) -> Credentials:
@@ -95,11 +116,11 @@ def _generation(meta: Any) -> int:
     return int(meta.get("generation") or 1)
 
 
-def _report_invalid(patch: kopf.Patch, status: Any, generation: int, message: str) -> None:
-    patch.status["observedGeneration"] = generation
-    patch.status["conditions"] = merge_conditions(
-        status.get("conditions"), invalid_spec_conditions(message), generation, now_iso()
+async def _report_invalid(rt: Runtime, ref: PoolRef, status: Any, message: str) -> None:
+    conditions = merge_conditions(
+        rt.known_conditions(ref.uid, status), invalid_spec_conditions(message), ref.generation, now_iso()
     )
+    await rt.write_status(ref, {"observedGeneration": ref.generation, "conditions": conditions})
 
 
 async def _admin_token(kube: KubeClient, names: PoolNames) -> str | None:
@@ -143,98 +164,105 @@ async def observe(rt: Runtime, ref: PoolRef, pool: RolloutPoolSpec) -> tuple[Obs
     return obs, view
 
 
-def status_patch(
-    patch: kopf.Patch, status: Any, ref: PoolRef, pool: RolloutPoolSpec, rt: Runtime,
-    obs: Observed, view: dict[str, Any] | None, push_error: str | None, extra: list[Cond] | None = None,
-) -> None:
-    """Write everything the status shows from one observation (merge patch of .status)."""
+def build_status(
+    rt: Runtime, status: Any, ref: PoolRef, pool: RolloutPoolSpec,
+    obs: Observed, view: dict[str, Any] | None, push_error: str | None,
+) -> dict[str, Any]:
+    """Everything the status shows from one observation (a merge patch of .status)."""
     now = now_iso()
+    out: dict[str, Any] = {}
     names = ref.names
     conds = health_conditions(obs)
     if push_error and not (obs.router and obs.router.generation >= ref.generation):
         conds = [c for c in conds if c.type != "ConfigApplied"]
         conds.append(Cond("ConfigApplied", False, "PushFailed", push_error))
-    patch.status["observedGeneration"] = ref.generation
-    patch.status["conditions"] = merge_conditions(status.get("conditions"), conds + (extra or []), ref.generation, now)
-    patch.status["engines"] = {
+    out["observedGeneration"] = ref.generation
+    out["conditions"] = merge_conditions(rt.known_conditions(ref.uid, status), conds, ref.generation, now)
+    out["engines"] = {
         "desired": obs.engines_desired,
         "ready": obs.engines_ready,
         "summary": f"{obs.engines_ready}/{obs.engines_desired}",
         "selector": names.selector_string(ENGINE_COMPONENT),
     }
-    patch.status["router"] = {
+    out["router"] = {
         "ready": bool(obs.router and obs.router.ready),
         "readyReplicas": obs.router_ready_replicas,
         "healthyEngines": obs.router.healthy_engines if obs.router else None,
         "url": names.router_url(pool.router.port, rt.settings.cluster_domain),
     }
-    patch.status["config"] = {
+    out["config"] = {
         "desiredGeneration": ref.generation,
         "appliedGeneration": obs.router.generation if obs.router else None,
         "hash": obs.router.config_hash if obs.router else None,
         "lastError": push_error or (obs.router.last_reload_error if obs.router else None),
     }
     if view is not None:
-        patch.status.update(view)
-        patch.status["lastUpdateTime"] = now
+        out.update(view)
+        out["lastUpdateTime"] = now
+    return out
 
 
 async def reconcile(
-    rt: Runtime, *, spec: Any, meta: Any, status: Any, name: str, namespace: str, patch: kopf.Patch,
-    logger: Any,
+    rt: Runtime, *, spec: Any, meta: Any, status: Any, name: str, namespace: str, logger: Any,
 ) -> None:
-    generation = _generation(meta)
+    ref = PoolRef(name, namespace, str(meta["uid"]), _generation(meta))
+    async with rt.lock(ref.uid):
+        rt.reconciled[ref.uid] = max(ref.generation, rt.reconciled.get(ref.uid, 0))
+        await _reconcile_locked(rt, ref, spec, status, logger)
+
+
+async def _reconcile_locked(rt: Runtime, ref: PoolRef, spec: Any, status: Any, logger: Any) -> None:
     kube = rt.kube_client()
     try:
-        pool = validate(spec, name)
-        ref = PoolRef(name, namespace, str(meta["uid"]), generation)
-        token = await _admin_token(kube, ref.names) or secrets.token_urlsafe(TOKEN_BYTES)
-        desired = render(pool, ref, token, rt.settings.cluster_domain)
-    except (InvalidPool, ValueError) as exc:
-        _report_invalid(patch, status, generation, str(exc))
-        raise kopf.PermanentError(f"invalid RolloutPool: {exc}") from None
+        try:
+            pool = validate(spec, ref.name)
+            token = await _admin_token(kube, ref.names) or secrets.token_urlsafe(TOKEN_BYTES)
+            desired = render(pool, ref, token, rt.settings.cluster_domain)
+        except (InvalidPool, ValueError) as exc:
+            await _report_invalid(rt, ref, status, str(exc))
+            raise kopf.PermanentError(f"invalid RolloutPool: {exc}") from None
+        try:
+            for obj in desired.objects():
+                action = await apply_object(kube, obj, ref.uid)
+                logger.debug("%s %s: %s", obj["kind"], obj["metadata"]["name"], action.value)
+        except NotOwned as exc:
+            await _report_invalid(rt, ref, status, str(exc))
+            raise kopf.PermanentError(str(exc)) from None
+        push_error = None
+        if pool.router.replicas:
+            push_error = await push_config(rt, ref, pool.router.port, token, desired.router_config)
+        obs, view = await observe(rt, ref, pool)
+        await rt.write_status(ref, build_status(rt, status, ref, pool, obs, view, push_error))
     except KubeError as exc:
         raise kopf.TemporaryError(str(exc), delay=KUBE_RETRY_DELAY_S) from None
-    try:
-        for obj in desired.objects():
-            action = await apply_object(kube, obj, ref.uid)
-            logger.debug("%s %s: %s", obj["kind"], obj["metadata"]["name"], action.value)
-    except NotOwned as exc:
-        _report_invalid(patch, status, generation, str(exc))
-        raise kopf.PermanentError(str(exc)) from None
-    except KubeError as exc:
-        raise kopf.TemporaryError(str(exc), delay=KUBE_RETRY_DELAY_S) from None
-    push_error = None
-    if pool.router.replicas:
-        push_error = await push_config(rt, ref, pool.router.port, token, desired.router_config)
-    obs, view = await observe(rt, ref, pool)
-    status_patch(patch, status, ref, pool, rt, obs, view, push_error)
 
 
 async def status_tick(
-    rt: Runtime, *, spec: Any, meta: Any, status: Any, name: str, namespace: str, patch: kopf.Patch,
+    rt: Runtime, *, spec: Any, meta: Any, status: Any, name: str, namespace: str,
 ) -> None:
-    generation = _generation(meta)
-    if status.get("observedGeneration") != generation:
-        return  # a reconcile of this generation has not finished (or failed): it reports first
+    ref = PoolRef(name, namespace, str(meta["uid"]), _generation(meta))
+    if rt.stopping or status.get("observedGeneration") != ref.generation:
+        return  # a reconcile of this generation has not reported yet (or failed): it reports first
     try:
         pool = validate(spec, name)
     except InvalidPool:
         return  # conditions already say InvalidSpec; nothing to observe
-    ref = PoolRef(name, namespace, str(meta["uid"]), generation)
-    try:
-        obs, view = await observe(rt, ref, pool)
-        push_error = None
-        if obs.router is not None and obs.router.generation < generation:
-            token = await _admin_token(rt.kube_client(), ref.names)
-            if token:
-                config = build_router_config(pool, ref, rt.settings.cluster_domain)
-                push_error = await push_config(rt, ref, pool.router.port, token, config)
-                if push_error is None:
-                    obs, view = await observe(rt, ref, pool)
-    except KubeError as exc:
-        raise kopf.TemporaryError(str(exc), delay=KUBE_RETRY_DELAY_S) from None
-    status_patch(patch, status, ref, pool, rt, obs, view, push_error)
+    async with rt.lock(ref.uid):
+        if rt.reconciled.get(ref.uid, ref.generation) > ref.generation:
+            return  # this body is older than what a reconcile already reported
+        try:
+            obs, view = await observe(rt, ref, pool)
+            push_error = None
+            if obs.router is not None and obs.router.generation < ref.generation:
+                token = await _admin_token(rt.kube_client(), ref.names)
+                if token:
+                    config = build_router_config(pool, ref, rt.settings.cluster_domain)
+                    push_error = await push_config(rt, ref, pool.router.port, token, config)
+                    if push_error is None:
+                        obs, view = await observe(rt, ref, pool)
+            await rt.write_status(ref, build_status(rt, status, ref, pool, obs, view, push_error))
+        except KubeError as exc:
+            raise kopf.TemporaryError(str(exc), delay=KUBE_RETRY_DELAY_S) from None
 
 
 def register(registry: kopf.OperatorRegistry, settings: OperatorSettings) -> Runtime:
@@ -251,8 +279,17 @@ def register(registry: kopf.OperatorRegistry, settings: OperatorSettings) -> Run
         settings.posting.enabled = rt.settings.post_events
         rt.kube = KubeClient(kube_credentials(rt.settings))
 
+    @kopf.on.delete(*resource, registry=registry, id="forget", optional=True)
+    async def _forget(meta: Any, **_: Any) -> None:
+        """Drop per-pool memory; the children go with the pool (owner references, GC)."""
+        uid = str(meta.get("uid"))
+        rt.locks.pop(uid, None)
+        rt.reconciled.pop(uid, None)
+        rt.conditions.pop(uid, None)
+
     @kopf.on.cleanup(registry=registry)
     async def _cleanup(**_: Any) -> None:
+        rt.stopping = True
         if rt.kube is not None:
             await rt.kube.close()
         await rt.router.close()
@@ -260,7 +297,7 @@ def register(registry: kopf.OperatorRegistry, settings: OperatorSettings) -> Run
     async def _reconcile(**kwargs: Any) -> None:
         await reconcile(
             rt, spec=kwargs["spec"], meta=kwargs["meta"], status=kwargs["status"], name=kwargs["name"],
-            namespace=kwargs["namespace"], patch=kwargs["patch"], logger=kwargs["logger"],
+            namespace=kwargs["namespace"], logger=kwargs["logger"],
         )
 
     for cause, decorator in (("create", kopf.on.create), ("update", kopf.on.update), ("resume", kopf.on.resume)):
@@ -270,7 +307,7 @@ def register(registry: kopf.OperatorRegistry, settings: OperatorSettings) -> Run
     async def _status(**kwargs: Any) -> None:
         await status_tick(
             rt, spec=kwargs["spec"], meta=kwargs["meta"], status=kwargs["status"], name=kwargs["name"],
-            namespace=kwargs["namespace"], patch=kwargs["patch"],
+            namespace=kwargs["namespace"],
         )
 
     return rt

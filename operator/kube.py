@@ -20,6 +20,8 @@ from typing import Any
 
 import aiohttp
 
+from .names import API_VERSION, PLURAL
+
 SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 MERGE_PATCH = "application/merge-patch+json"
 
@@ -29,6 +31,7 @@ _PATHS = {
     ("v1", "Service"): "services",
     ("apps/v1", "Deployment"): "deployments",
 }
+"""The child kinds (get/create/patch); the pool itself is only ever patched on /status."""
 
 
 class KubeError(Exception):
@@ -157,3 +160,8 @@ class KubeClient:
     ) -> dict[str, Any]:
         path = object_path(api_version, kind, namespace, name)
         return await self._call("PATCH", path, patch, MERGE_PATCH)
+
+    async def patch_pool_status(self, namespace: str, name: str, status: dict[str, Any]) -> dict[str, Any]:
+        """Merge-patch a RolloutPool's status subresource (the operator's only write to a pool)."""
+        path = f"/apis/{API_VERSION}/namespaces/{namespace}/{PLURAL}/{name}/status"
+        return await self._call("PATCH", path, {"status": status}, MERGE_PATCH)

@@ -330,7 +330,7 @@ class RolloutPoolSpec(_Model):
     )
 
     model: ModelSpec
-    engines: EnginesSpec = EnginesSpec()
+    engines: EnginesSpec = EnginesSpec.model_validate({})
     workloads: list[WorkloadClass] = Field(
         min_length=1, max_length=MAX_CLASSES,
         description="Workload classes and the target mixture (shares in percent, summing to 100).",
@@ -353,9 +353,9 @@ class RolloutPoolSpec(_Model):
     default_class: str | None = Field(
         None, description="Class of requests without a class label; unset: the label is required."
     )
-    kv_budget: KvBudgetSpec = KvBudgetSpec()
+    kv_budget: KvBudgetSpec = KvBudgetSpec.model_validate({})
     admission: Admission = PolicySettings()
-    router: RouterSpec = RouterSpec()
+    router: RouterSpec = RouterSpec.model_validate({})
 
     @model_validator(mode="after")
     def _workloads(self) -> RolloutPoolSpec:

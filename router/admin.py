@@ -41,8 +41,9 @@ def require_admin(request: web.Request) -> RouterState:
     if state.admin_token is None:
         raise AdminDisabled("admin API disabled: the router runs without an admin token")
     scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+    # surrogateescape: a header with invalid UTF-8 is a wrong token, not a server error.
     if scheme.lower() != "bearer" or not hmac.compare_digest(
-        given.strip().encode(), state.admin_token.encode()
+        given.strip().encode("utf-8", "surrogateescape"), state.admin_token.encode()
     ):
         raise Unauthorized("missing or invalid bearer token")
     return state
@@ -60,8 +61,10 @@ def _query_flag(request: web.Request, name: str, default: bool) -> bool:
 async def reset_prefix_caches(state: RouterState) -> dict[str, str]:
     """POST /reset_prefix_cache on every healthy engine; returns a result per engine."""
     cfg = state.config
+    # A control call, bounded like a scrape: a stalled engine must not hang pause/resume
+    # for upstream_timeout_s (an hour by default, sized for long generations).
     timeout = aiohttp.ClientTimeout(
-        total=None, connect=cfg.upstream_connect_timeout_s, sock_read=cfg.upstream_timeout_s
+        total=cfg.scrape_timeout_s, connect=cfg.upstream_connect_timeout_s
     )
 
     async def one(engine: str) -> str:

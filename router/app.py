@@ -45,6 +45,7 @@ from .errors import (
     Unauthorized,
     UpstreamUnavailable,
     error_body,
+    openai_error_body,
 )
 from .metrics import CONTENT_TYPE, Outcome, RouterMetrics
 from .policy.registry import build_policy
@@ -383,6 +384,24 @@ async def error_middleware(
         if isinstance(exc, InvalidRequest):
             request.app[STATE].metrics.invalid.inc()
         return error_response(exc)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        # aiohttp's own refusals (unknown path, wrong method) in the same OpenAI shape.
+        body = openai_error_body(
+            exc.reason, _HTTP_ERROR_TYPES.get(exc.status, "invalid_request_error"),
+            code=exc.reason.lower().replace(" ", "_"),
+        )
+        headers = {k: v for k, v in exc.headers.items() if k.lower() == "allow"}
+        return web.json_response(body, status=exc.status, headers=headers)
+    except Exception:
+        log.exception("unhandled error in %s %s", request.method, request.path)
+        body = openai_error_body("internal router error", "server_error", code="internal_error")
+        return web.json_response(body, status=INTERNAL_ERROR_STATUS)
+
+
+_HTTP_ERROR_TYPES = {404: "not_found_error", 405: "invalid_request_error"}
+"""OpenAI ``error.type`` of aiohttp's own HTTP errors (others: ``invalid_request_error``)."""
 
 
 # ---- small endpoints -------------------------------------------------------

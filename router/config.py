@@ -26,7 +26,8 @@ class ConfigError(ValueError):
 
 
 class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    # No inf/nan: an infinite timeout or interval overflows aiohttp's and asyncio's timers.
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
 
 class ServiceRef(_Frozen):
@@ -77,7 +78,7 @@ class RouterConfig(_Frozen):
     """The router's whole configuration (ConfigMap payload, ``PUT /admin/config`` body)."""
 
     generation: int = Field(
-        0, ge=0,
+        0, ge=0, le=2**63 - 1,  # a Kubernetes generation is an int64; /metrics exports it as a float
         description="Monotonic version set by the operator (the RolloutPool's generation). A "
         "reload carrying a lower generation than the applied one is refused as stale.",
     )

@@ -43,6 +43,8 @@ class EngineState:
     scraped_at: float = 0.0
     last_error: str | None = None
     down_since: float | None = field(default=None)
+    scrape_failed_at: float | None = None
+    """When the latest scrape of a failing streak failed; None while scrapes succeed."""
 
 
 class EngineRegistry:
@@ -138,13 +140,32 @@ class EngineRegistry:
 
     # ---- metrics --------------------------------------------------------
 
-    def record_metrics(self, engine_id: str, metrics: VllmMetrics, now: float) -> None:
+    def record_metrics(self, engine_id: str, metrics: VllmMetrics, now: float) -> bool:
+        """A usable scrape; returns True when it ends a streak of failed scrapes."""
         st = self._engines.get(engine_id)
         if st is None:
-            return
+            return False
+        recovered = st.scrape_failed_at is not None
         st.metrics = metrics
         st.scraped_at = now
+        st.scrape_failed_at = None
         self._invalidate()
+        return recovered
+
+    def record_scrape_failure(self, engine_id: str, error: str, now: float) -> bool:
+        """A scrape that gave nothing usable; returns True for the first one of a streak.
+
+        ``/status`` keeps showing the last good metrics (with their age); the
+        policy's snapshot falls back to safe estimates (``_snapshot``).
+        """
+        st = self._engines.get(engine_id)
+        if st is None:
+            return False
+        first = st.scrape_failed_at is None
+        st.scrape_failed_at = now
+        st.last_error = error
+        self._invalidate()
+        return first
 
     # ---- the policy's view ----------------------------------------------
 
@@ -162,6 +183,21 @@ class EngineRegistry:
 
 def _snapshot(st: EngineState) -> EngineSnapshot:
     m = st.metrics
+    if st.scrape_failed_at is not None:
+        # Metrics unusable (slow, empty, garbage): the load gauges are unknown, so they
+        # read 0 and the policy counts the router's own sessions on this engine; KV
+        # capacity (static) and the cumulative counters keep their last good values.
+        # Stamped with the failed scrape's time, so the policy's per-engine event log
+        # (kept "since the last scrape") stays bounded.
+        return EngineSnapshot(
+            engine_id=st.engine_id,
+            healthy=st.healthy,
+            kv_capacity_tokens=m.kv_capacity_tokens if m else 0,
+            prefix_queries_total=m.prefix_queries_total if m else 0.0,
+            prefix_hits_total=m.prefix_hits_total if m else 0.0,
+            preemptions_total=m.preemptions_total if m else 0.0,
+            scraped_at=st.scrape_failed_at,
+        )
     if m is None:
         return EngineSnapshot(engine_id=st.engine_id, healthy=st.healthy)
     return EngineSnapshot(

@@ -39,7 +39,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from .app import STATE, RouterState
-from .errors import BodyTooLarge, NotFound, ShuttingDown, UpstreamUnavailable, openai_error_body
+from .errors import BodyTooLarge, InvalidRequest, NotFound, ShuttingDown, UpstreamUnavailable, openai_error_body
 from .metrics import Outcome
 from .policy.types import Completion, RequestMeta
 from .request_meta import EndpointKind, ParsedRequest, parse_request
@@ -93,10 +93,13 @@ async def read_body(request: web.Request, limit: int) -> bytes:
     if request.content_length is not None and request.content_length > limit:
         raise BodyTooLarge(f"request body is larger than {limit} bytes")
     buf = bytearray()
-    while chunk := await request.content.readany():
-        buf += chunk
-        if len(buf) > limit:
-            raise BodyTooLarge(f"request body is larger than {limit} bytes")
+    try:
+        while chunk := await request.content.readany():
+            buf += chunk
+            if len(buf) > limit:
+                raise BodyTooLarge(f"request body is larger than {limit} bytes")
+    except web.RequestPayloadError as exc:  # broken chunked framing, bad Content-Encoding
+        raise InvalidRequest(f"request body could not be read: {exc}") from None
     return bytes(buf)
 
 
@@ -122,7 +125,7 @@ def usage_from_json(body: bytes, meta: RequestMeta, ok: bool) -> Completion:
     """``usage`` of a JSON answer; estimated (prompt from the request, 0 out) without it."""
     try:
         obj = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError):
+    except (ValueError, RecursionError):
         obj = None
     usage = obj.get("usage") if isinstance(obj, dict) else None
     return _completion_from_usage(usage, meta, ok, 0)
@@ -154,7 +157,7 @@ class SseUsageTracker:
     def _take_usage(self, payload: bytes) -> None:
         try:
             obj = json.loads(payload)
-        except (UnicodeDecodeError, json.JSONDecodeError):
+        except (ValueError, RecursionError):
             return
         if isinstance(obj, dict) and isinstance(obj.get("usage"), dict):
             self.usage = obj["usage"]
@@ -247,6 +250,11 @@ class Forwarder:
             ) from exc
         except asyncio.CancelledError:
             s.dispatcher.finish(meta, engine, _failed(meta), Outcome.CLIENT_DISCONNECT)
+            raise
+        except Exception:
+            # Anything unforeseen still releases the placement (finish is idempotent),
+            # so an odd request can never leak a session or an in-flight count.
+            s.dispatcher.finish(meta, engine, _failed(meta), Outcome.UPSTREAM_FAILED)
             raise
 
     async def _relay_body(
@@ -376,6 +384,10 @@ async def _pass_through(request: web.Request, path: str) -> web.Response:
         except CONNECT_FAILURES as exc:
             s.metrics.engine_failures.labels(engine).inc()
             s.registry.mark_failed(engine, f"{type(exc).__name__}: {exc}")
+        except READ_FAILURES as exc:  # the engine took the call and went silent
+            raise UpstreamUnavailable(
+                f"engine did not answer {path}: {type(exc).__name__}", code="upstream_timeout"
+            ) from exc
     raise UpstreamUnavailable(f"no engine answered {path}", code="upstream_unavailable")
 
 

@@ -173,8 +173,10 @@ def _completion_prompt(prompt: object, chars_per_token: float) -> _Prompt:
 def _decode_body(raw: bytes) -> dict[str, Any]:
     try:
         obj = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
+    except (ValueError, RecursionError) as exc:
+        # ValueError: bad JSON, bad UTF-8, an integer over Python's 4300-digit limit;
+        # RecursionError: nesting deeper than the decoder's stack.
+        raise InvalidRequest(f"request body is not valid JSON: {str(exc)[:200]}") from None
     if not isinstance(obj, dict):
         raise InvalidRequest("request body must be a JSON object")
     return obj

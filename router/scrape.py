@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -56,22 +57,41 @@ class VllmMetrics:
 
 def _int_label(labels: dict[str, str], key: str) -> int:
     try:
-        return int(float(labels.get(key, "0")))
+        value = float(labels.get(key, "0"))
     except ValueError:  # vLLM writes "None" for unset values
         return 0
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"label {key}={labels.get(key)!r} is not a count")
+    return int(value)
 
 
 def parse_vllm_metrics(text: str) -> VllmMetrics:
     """Parse a Prometheus text page; unknown metrics are ignored, missing ones read as 0.
 
-    Raises ``ValueError`` when the page is not Prometheus text.
+    Raises ``ValueError`` when the page is not Prometheus text or a vLLM value
+    is not a finite, non-negative number.
     """
+    return parse_vllm_page(text)[0]
+
+
+def parse_vllm_page(text: str) -> tuple[VllmMetrics, bool]:
+    """``parse_vllm_metrics`` plus whether the page held any vLLM metric at all.
+
+    A page without one (empty, another exporter's) tells the router nothing,
+    so a scrape treats it as failed rather than as an idle, empty engine.
+    """
+    seen = False
     usage: dict[str, float] = {}
     capacity: dict[str, int] = {}
     running = waiting = 0.0
     queries = hits = preemptions = 0.0
     for family in text_string_to_metric_families(text):
         for s in family.samples:
+            if not s.name.startswith("vllm:"):
+                continue
+            seen = True
+            if not math.isfinite(s.value) or s.value < 0:
+                raise ValueError(f"{s.name} has the value {s.value}")
             engine = s.labels.get("engine", "")
             if s.name in KV_USAGE:
                 usage[engine] = s.value
@@ -93,7 +113,7 @@ def parse_vllm_metrics(text: str) -> VllmMetrics:
         kv_usage = sum(u * capacity.get(e, 0) for e, u in usage.items()) / total_cap
     else:
         kv_usage = sum(usage.values()) / len(usage) if usage else 0.0
-    return VllmMetrics(
+    metrics = VllmMetrics(
         kv_capacity_tokens=total_cap,
         kv_usage=kv_usage,
         num_running=round(running),
@@ -102,6 +122,7 @@ def parse_vllm_metrics(text: str) -> VllmMetrics:
         prefix_hits_total=hits,
         preemptions_total=preemptions,
     )
+    return metrics, seen
 
 
 class EngineProbes:
@@ -142,19 +163,33 @@ class EngineProbes:
 
     async def scrape(self, engine_id: str) -> None:
         cfg = self._config()
+        error: str | None = None
         try:
             timeout = aiohttp.ClientTimeout(total=cfg.scrape_timeout_s)
             async with self._session.get(f"{engine_id}/metrics", timeout=timeout) as resp:
                 if resp.status != 200:
-                    log.debug("scrape of %s answered %s", engine_id, resp.status)
-                    return
-                text = await resp.text()
-            metrics = parse_vllm_metrics(text)
-        except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
-            # The last snapshot stays; health checks decide rotation.
-            log.debug("scrape of %s failed: %s", engine_id, exc)
+                    error = f"/metrics answered {resp.status}"
+                else:
+                    metrics, seen = parse_vllm_page(await resp.text())
+                    if not seen:
+                        error = "/metrics holds no vLLM metric"
+        except (aiohttp.ClientError, TimeoutError, OSError, ValueError, ArithmeticError) as exc:
+            # ValueError covers UnicodeDecodeError and unparsable pages.
+            error = f"/metrics failed: {type(exc).__name__}: {exc}"[:300]
+        now = self._clock()
+        if error is not None:
+            # Health checks decide rotation; placement falls back to the router's own
+            # counts for this engine (EngineRegistry.record_scrape_failure).
+            if self._registry.record_scrape_failure(engine_id, error, now):
+                log.warning(
+                    "metrics of %s unusable (%s); placing on the router's own counts until "
+                    "a scrape succeeds", engine_id, error,
+                )
+            else:
+                log.debug("scrape of %s failed again: %s", engine_id, error)
             return
-        self._registry.record_metrics(engine_id, metrics, self._clock())
+        if self._registry.record_metrics(engine_id, metrics, now):
+            log.info("metrics of %s usable again", engine_id)
 
     async def health_tick(self) -> None:
         await asyncio.gather(*(self.check_health(e) for e in self._registry.ids()))

@@ -32,6 +32,14 @@ EXIT_CONFIG = 2
 EXIT_RUNTIME = 1
 SHUTDOWN_GRACE_S = 5.0
 """Extra seconds aiohttp waits for handlers after the app's own drain (``drain_timeout_s``)."""
+SERVER_OPTIONS: dict[str, object] = {
+    "handler_cancellation": True,  # a client that goes away cancels its handler
+    # Bodies are validated and forwarded as sent: never inflated (a Content-Encoding body is
+    # not JSON to the router, as to vLLM), so no decompression bomb and no mislabelled relay.
+    "auto_decompress": False,
+    "access_log": None,
+}
+"""``AppRunner`` options of the served router (aiohttp's header limits stay: 8190-byte lines, 128 headers)."""
 
 
 class JsonFormatter(logging.Formatter):
@@ -90,10 +98,7 @@ async def serve(
     """Serve until a stop signal; raises ``OSError`` when the port cannot be bound."""
     app = create_app(config, admin_token=admin_token, config_path=config_path)
     runner = web.AppRunner(
-        app,
-        handler_cancellation=True,  # a client that goes away cancels its handler
-        shutdown_timeout=config.drain_timeout_s + SHUTDOWN_GRACE_S,
-        access_log=None,
+        app, shutdown_timeout=config.drain_timeout_s + SHUTDOWN_GRACE_S, **SERVER_OPTIONS  # type: ignore[arg-type]
     )
     await runner.setup()
     stop = asyncio.Event()

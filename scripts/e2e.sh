@@ -16,6 +16,7 @@ VENV="${E2E_VENV:-.venv-e2e}"
 PY="$VENV/bin/python"
 STAMP="$VENV/.installed-e2e"
 MODEL_DIR="${MISAT_TINY_MODEL:-out/tiny-model}"
+START=$SECONDS
 
 if [[ ! -x "$PY" ]]; then
     "$PYTHON" -P -m venv "$VENV"
@@ -43,8 +44,15 @@ fi
 if [[ ! -f "$MODEL_DIR/config.json" || ! -f "$MODEL_DIR/tokenizer.json" ]]; then
     "$PY" -P -m misat_sim.tiny_model "$MODEL_DIR"
 fi
+SETUP_S=$((SECONDS - START))
 
 # The default addopts deselect e2e tests; replace them and select e2e only.
+# pytest's exit code is the script's: 5 ("no tests collected") fails CI too.
+# Every real vLLM server is started and stopped by pid inside the session
+# (tests/e2e/conftest.py), whatever the outcome.
 export MISAT_TINY_MODEL="$MODEL_DIR"
-exec "$VENV/bin/pytest" -o addopts='' -m e2e -q --import-mode=importlib \
-    -p no:cacheprovider tests/e2e "$@"
+rc=0
+"$VENV/bin/pytest" -o addopts='' -m e2e -q --import-mode=importlib \
+    -p no:cacheprovider --durations=10 tests/e2e "$@" || rc=$?
+echo "e2e: setup ${SETUP_S} s (venv, install, model), tests $((SECONDS - START - SETUP_S)) s, exit code ${rc}" >&2
+exit "$rc"

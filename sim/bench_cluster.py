@@ -17,6 +17,7 @@ baselines (tuned-once at a ceiling the sweep already ran) runs once.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -30,6 +31,32 @@ from misat_sim.bench_suite import BenchSettings, RunSpec, cluster_config
 from misat_sim.cluster import Cluster, ClusterConfig
 from misat_sim.report import tv_distance_points
 from misat_sim.workload import RolloutClass, SessionPlan, Workload
+
+_FINGERPRINTED: tuple[str, ...] = ("router/policy", "sim")
+"""Source folders whose text decides a cluster run's figures (policy code and simulator)."""
+
+
+_REPO_ROOT: Path = Path(__file__).resolve().parent.parent
+
+
+def code_fingerprint(root: Path = _REPO_ROOT) -> str:
+    """Digest of the policy and simulator sources as imported by this process.
+
+    Why: other work edits the policy while suites run, and the cache is keyed by
+    configuration only; each record carries the fingerprint of the code that
+    produced it, so mixed-version results are visible rather than silent.
+    """
+    h = hashlib.sha256()
+    for folder in _FINGERPRINTED:
+        for path in sorted((root / folder).glob("*.py")):
+            if not path.name.startswith("bench"):
+                h.update(path.name.encode())
+                h.update(path.read_bytes())
+    return h.hexdigest()[:12]
+
+
+CODE_FINGERPRINT: str = code_fingerprint()
+"""Taken once at import: forked workers share the parent's (the code they run)."""
 
 
 class RunMetrics(BaseModel):
@@ -58,6 +85,7 @@ class RunRecord(BaseModel):
     metrics: RunMetrics
     cpu_s: float
     wall_s: float
+    code: str = Field("", description="CODE_FINGERPRINT of the process that ran it")
 
 
 class _RecordingWorkload:
@@ -127,7 +155,7 @@ def run_spec(run: RunSpec, s: BenchSettings) -> RunRecord:
         series=[(float(t), int(n)) for t, n in r.series],
     )
     return RunRecord(key=run.key(s), spec=run, metrics=metrics, cpu_s=time.process_time() - cpu0,
-                     wall_s=time.monotonic() - wall0)
+                     wall_s=time.monotonic() - wall0, code=CODE_FINGERPRINT)
 
 
 def _run_worker(payload: tuple[str, str]) -> str:

@@ -149,17 +149,21 @@ class BenchSettings(BaseModel):
     engines: int = Field(DEFAULT_ENGINES, ge=1)
     profile: str = DEFAULT_PROFILE
     seed: int = 0
-    duration_s: float = Field(600.0, gt=0, description="virtual seconds per continuous run")
-    warmup_s: float = Field(150.0, ge=0, description="virtual seconds excluded from rates")
+    duration_s: float = Field(480.0, gt=0, description="virtual seconds per continuous run")
+    warmup_s: float = Field(120.0, ge=0, description="virtual seconds excluded from rates")
     ceilings: tuple[int, ...] = Field(
-        (64, 128, 256, 384, 512, 1024), min_length=1,
+        (96, 192, 256, 384, 1024), min_length=1,
         description="coarse grid of trainer ceilings for the oracle sweep (the last is also high-load "
         "when equal to high_ceiling)",
     )
-    refine_rounds: int = Field(1, ge=0, description="rounds of midpoints around the best sweep point")
+    other_ceilings: tuple[int, ...] | None = Field(
+        (96, 192, 384, 1024),
+        description="grid for the workloads other than steady (None: ``ceilings``); coarser to save CPU",
+    )
+    refine_rounds: int = Field(0, ge=0, description="rounds of midpoints around the best sweep point")
     high_ceiling: int = Field(1024, ge=1, description="the ceiling MISA-T and high-load run at")
     request_limits: tuple[int, ...] = Field(
-        (64, 128, 256, 384, 512), min_length=1,
+        (64, 128, 256), min_length=1,
         description="router request limits swept on steady (trainer ceiling high)",
     )
     iterations: int = Field(4, ge=1, description="iterations workload: weight updates")
@@ -179,7 +183,7 @@ class BenchSettings(BaseModel):
 
 
 QUICK = BenchSettings(
-    engines=2, duration_s=300.0, warmup_s=60.0, ceilings=(32, 64, 128, 512), refine_rounds=0,
+    engines=2, duration_s=300.0, warmup_s=60.0, ceilings=(32, 64, 128, 512), other_ceilings=None, refine_rounds=0,
     high_ceiling=512, request_limits=(64, 128), iterations=2, iteration_units_per_engine=48,
     workloads=(WorkloadName.STEADY, WorkloadName.KV_HALF), footprint_sensitivity=False,
     balance_candidates=SMALL_FLEET_BALANCE[:1],
@@ -223,8 +227,11 @@ def workload_case(name: WorkloadName, s: BenchSettings) -> WorkloadCase:
         )
     if name is WorkloadName.MIX_SHIFT:
         at = round(MIX_SHIFT_FRACTION * s.expected_units)
-        spec = mix_shift_spec(at, _split_mixture(MIX_SHIFT_AGENTIC_AFTER),
-                              mixture=_split_mixture(MIX_SHIFT_AGENTIC_BEFORE), seed=seed)
+        # mix_shift_spec's own ``mixture`` argument is the one after the shift.
+        spec = WorkloadSpec(
+            seed=seed, mixture=_split_mixture(MIX_SHIFT_AGENTIC_BEFORE),
+            mixture_changes=mix_shift_spec(at, _split_mixture(MIX_SHIFT_AGENTIC_AFTER)).mixture_changes,
+        )
         return WorkloadCase(
             name=name, spec=spec,
             description=f"agentic {MIX_SHIFT_AGENTIC_BEFORE:g}% -> {MIX_SHIFT_AGENTIC_AFTER:g}% at unit {at}",
@@ -325,7 +332,8 @@ def fixed_runs(s: BenchSettings) -> list[RunSpec]:
     """Runs that depend on no earlier result: coarse sweeps, high-load, MISA-T modes, steady request limits."""
     runs: list[RunSpec] = []
     for w in s.workloads:
-        grid = sorted(set(s.ceilings) | {s.high_ceiling})
+        base = s.ceilings if w is WorkloadName.STEADY or s.other_ceilings is None else s.other_ceilings
+        grid = sorted(set(base) | {s.high_ceiling})
         runs.extend(sweep_run(w, c) for c in grid)
         for mode in MISAT_MODES:
             runs.append(RunSpec(workload=w, baseline=mode, policy=PolicySettings(name=_MODE_POLICY[mode]),
@@ -342,6 +350,14 @@ def fixed_runs(s: BenchSettings) -> list[RunSpec]:
                                     policy=PolicySettings(name=PolicyName.MISA_T, footprint=fp),
                                     ceiling=s.high_ceiling, label=f"misa-t {stat} p{pct:g} @{s.high_ceiling}"))
     return runs
+
+
+def run_priority(run: RunSpec) -> int:
+    """Order of the fixed runs when CPU is short: steady first, then every workload's sweep and
+    MISA-T, then the ablations (a partial suite is then still a full comparison)."""
+    if run.workload is WorkloadName.STEADY:
+        return 0
+    return {Baseline.SWEEP: 1, Baseline.MISA_T: 1, Baseline.SESSION_ADMISSION: 2}.get(run.baseline, 3)
 
 
 def tuned_runs(s: BenchSettings, oracle: dict[WorkloadName, int], steady_limit: int | None,

@@ -44,14 +44,22 @@ def hash_block_tokens(parent_hash: int, token_ids: tuple[int, ...]) -> int:
 def block_hashes_for(
     token_ids: Sequence[int], block_size: int, start_block: int = 0, parent_hash: int = NONE_HASH
 ) -> list[int]:
-    """Hashes of the full blocks of ``token_ids`` from block ``start_block`` on."""
+    """Hashes of the full blocks of ``token_ids`` from block ``start_block`` on.
+
+    Blocks are cut by ``zip`` over one iterator (tuples built in C), which
+    halves the cost of hashing a long prompt; the values are those of
+    ``hash_block_tokens``.
+    """
     out: list[int] = []
+    append = out.append
     parent = parent_hash
-    toks = token_ids if isinstance(token_ids, tuple) else tuple(token_ids)
-    n_full = len(toks) // block_size
-    for i in range(start_block, n_full):
-        parent = hash((parent, toks[i * block_size : (i + 1) * block_size]))
-        out.append(parent)
+    n_full = len(token_ids) // block_size
+    if n_full <= start_block:
+        return out
+    it = iter(token_ids[start_block * block_size : n_full * block_size])
+    for toks in zip(*([it] * block_size), strict=True):
+        parent = hash((parent, toks))
+        append(parent)
     return out
 
 
@@ -117,21 +125,25 @@ class BlockPool:
 
     def allocate(self, n: int) -> list[KVBlock]:
         """Take ``n`` blocks from the head of the free queue, evicting cached ones."""
-        if n > len(self._free):
-            raise ValueError(f"cannot allocate {n} blocks, {len(self._free)} free")
         free = self._free
+        if n > len(free):
+            raise ValueError(f"cannot allocate {n} blocks, {len(free)} free")
         cached = self._cached
+        popitem = free.popitem
         out: list[KVBlock] = []
+        append = out.append
+        evicted = 0
         for _ in range(n):
-            blk = free.popitem(last=False)[1]
+            blk = popitem(False)[1]
             h = blk.block_hash
             if h is not None:
                 if cached.get(h) is blk:
                     del cached[h]
                 blk.block_hash = None
-                self.num_evicted += 1
+                evicted += 1
             blk.ref_cnt = 1
-            out.append(blk)
+            append(blk)
+        self.num_evicted += evicted
         return out
 
     def free(self, blocks: Iterable[KVBlock]) -> None:
@@ -193,10 +205,22 @@ class KVCacheManager:
         """
         if not self.pool.enable_caching:
             return []
-        get = self.pool.get_cached_block
-        block_hash = request.block_hash
+        n = max_hit_tokens // self.block_size
+        get = self.pool._cached.get
         hit: list[KVBlock] = []
-        for i in range(max_hit_tokens // self.block_size):
+        hashes_upto = getattr(request, "hashes_upto", None)
+        if hashes_upto is not None and n > 0:
+            # One list of precomputed hashes instead of a method call per block.
+            append = hit.append
+            hashes = hashes_upto(n)
+            for i in range(n):
+                blk = get(hashes[i])
+                if blk is None:
+                    break
+                append(blk)
+            return hit
+        block_hash = request.block_hash
+        for i in range(n):
             blk = get(block_hash(i))
             if blk is None:
                 break
@@ -236,9 +260,22 @@ class KVCacheManager:
         if n_full <= start:
             return
         blocks = request.blocks
-        pool = self.pool
-        for i in range(start, n_full):
-            pool.cache_block(blocks[i], request.block_hash(i))
+        hashes_upto = getattr(request, "hashes_upto", None)
+        if hashes_upto is None:
+            pool = self.pool
+            for i in range(start, n_full):
+                pool.cache_block(blocks[i], request.block_hash(i))
+        else:
+            # BlockPool.cache_block inlined: this runs once per block of every prefill.
+            hashes = hashes_upto(n_full)
+            cached = self.pool._cached
+            for i in range(start, n_full):
+                blk = blocks[i]
+                if blk.block_hash is None:
+                    h = hashes[i]
+                    if h not in cached:  # a duplicate stays uncached (module docstring)
+                        blk.block_hash = h
+                        cached[h] = blk
         request.num_cached_blocks = n_full
 
     def free(self, request: BlockTable) -> None:

@@ -10,7 +10,7 @@ happens). The facts behind every flag and variable are in
 
 Shape: pure builders (:func:`server_command`, :func:`server_env`) from a
 frozen :class:`VllmServerSpec`; effects in :func:`start_server`,
-:func:`wait_healthy`, :func:`stop_server`; :func:`real_vllm_servers` wires them
+:func:`wait_healthy`, :func:`warm_up`, :func:`stop_server`; :func:`real_vllm_servers` wires them
 into a context manager that always stops what it started.
 
 vLLM itself is only imported by the child process; this module needs only the
@@ -20,6 +20,7 @@ standard library and pydantic, so it is importable from the dev venv too.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -45,6 +46,13 @@ DEFAULT_STOP_GRACE_S: float = 15.0
 """SIGTERM to the API server stops its children within about 5 s; then SIGKILL."""
 HEALTH_POLL_INTERVAL_S: float = 0.5
 """Spacing of ``/health`` polls while waiting for start-up (a bounded poll)."""
+WARM_UP_PROMPT_TOKENS: int = 100
+"""Length of the warm-up prompt sent once a server is healthy. vLLM 0.32's CPU
+worker dies with SIGILL when the very first request it serves has a 1-token
+prompt, and is fine once a ~100-token request has run. 100 tokens is under one
+128-token KV block, so the warm-up leaves no block in the prefix cache."""
+WARM_UP_TIMEOUT_S: float = 120.0
+"""Bound on the warm-up request (the first request also compiles kernels)."""
 
 
 class VllmServerSpec(BaseModel):
@@ -231,6 +239,29 @@ def wait_healthy(servers: Sequence[RunningServer], timeout_s: float = DEFAULT_ST
         time.sleep(HEALTH_POLL_INTERVAL_S)
 
 
+def warm_up(servers: Sequence[RunningServer], timeout_s: float = WARM_UP_TIMEOUT_S) -> None:
+    """Send each healthy server one ~100-token completion before anything else reaches it.
+
+    Raises :class:`ServerStartError` (with the log tail) when the request fails
+    or the server dies on it, so a broken server is reported at start-up.
+    """
+    prompt = [3 + (7 * i) % 2000 for i in range(WARM_UP_PROMPT_TOKENS)]
+    for server in servers:
+        body = {"model": server.spec.served_model_name, "prompt": prompt, "max_tokens": 2, "temperature": 0.0}
+        req = urllib.request.Request(
+            f"{server.base_url}/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+                resp.read()
+        except (urllib.error.URLError, OSError) as exc:
+            raise ServerStartError(
+                f"warm-up request to vLLM on port {server.spec.port} failed ({exc}):\n{server.log_tail()}"
+            ) from exc
+
+
 def _healthy(base_url: str) -> bool:
     try:
         with urllib.request.urlopen(f"{base_url}/health", timeout=2.0) as resp:
@@ -282,13 +313,14 @@ def real_vllm_servers(
     python: str = sys.executable,
     start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
 ) -> Iterator[list[RunningServer]]:
-    """Start all ``specs`` together, wait until healthy, yield them, always stop them."""
+    """Start all ``specs`` together, wait until healthy, warm them up, yield them, always stop them."""
     started: list[RunningServer] = []
     failed = True
     try:
         for spec in specs:
             started.append(start_server(spec, python))
         wait_healthy(started, start_timeout_s)
+        warm_up(started)
         yield started
         failed = False
     finally:

@@ -213,6 +213,13 @@ class SimRequest:
             return self.prompt_token_ids[position]
         return self.materialize_outputs(position - p + 1)[position - p]
 
+    def hashes_upto(self, n: int) -> list[int]:
+        """The request's block-hash list with at least its first ``n`` hashes computed."""
+        hashes = self._block_hashes
+        if len(hashes) < n:
+            self.block_hash(n - 1)
+        return hashes
+
     def block_hash(self, index: int) -> int:
         """Chained hash of full block ``index`` (computed on demand, then kept)."""
         hashes = self._block_hashes

@@ -198,6 +198,31 @@ class Scheduler:
             rid = req.request_id
             self.call_tokens[rid] = self.call_tokens.get(rid, 0) + k
 
+    def _block_event(self, req: SimRequest, step: int) -> bool:
+        """Handle a lazy request's block event in step ``step`` in place; False if no block is free.
+
+        The step's token fills a block (hash and register it) or needs a new
+        one (allocate it); then the next event is queued. The clock must read
+        ``step - 1``.
+        """
+        bs = self.block_size
+        after = req._comp + step - req._bg
+        blocks = req.blocks
+        if after > len(blocks) * bs:
+            if not self.pool.num_free_blocks:
+                return False
+            blocks.extend(self.pool.allocate(1))
+        ev = step + len(blocks) * bs - after + 1
+        if self.pool.enable_caching:
+            if after // bs > req.num_cached_blocks:
+                self.kv.cache_full_blocks(req, after)
+            fill = step + (req.num_cached_blocks + 1) * bs - after
+            if fill < ev:
+                ev = fill
+        req._ev = ev
+        heapq.heappush(self._ev_heap, (ev, req.run_seq, req))
+        return True
+
     def lazy_snapshot(self) -> list[tuple[SimRequest, int]]:
         """(request, base step) of every lazy request, for a caller's token counts."""
         return list(self._lazy.items())
@@ -218,16 +243,20 @@ class Scheduler:
         pop = heapq.heappop
         while heap and heap[0][0] <= step:
             s, seq, req = pop(heap)
-            if req._bg >= 0 and req.run_seq == seq and (req._fin if fin else req._ev) == s:
-                due.append(req)
+            if req._bg >= 0 and req.run_seq == seq:
+                if fin and req._fin == s:
+                    req._fin = -1  # a duplicate entry (same step) must not match again
+                    due.append(req)
+                elif not fin and req._ev == s:
+                    req._ev = -1
+                    due.append(req)
         return due
 
     # --- one step ------------------------------------------------------------
 
     def schedule(self) -> ScheduleOutput:
         """Choose this step's work (vLLM ``Scheduler.schedule``, FCFS)."""
-        for req in self._pop_due(self._ev_heap, self.clock.g + 1, False):
-            self._delazify(req)
+        due = self._pop_due(self._ev_heap, self.clock.g + 1, False)
         explicit = list(self._explicit)
         cap = self.max_model_len - 1
         demand = len(self._lazy)
@@ -243,6 +272,9 @@ class Scheduler:
             for req in list(self._lazy):
                 self._delazify(req)
             return self._schedule(self.running)
+        if due:
+            # Lazy requests at a block event are handled in place, in running order.
+            explicit.extend(due)
         if len(explicit) > 1:
             explicit.sort(key=_run_order)
         return self._schedule(explicit)
@@ -262,12 +294,19 @@ class Scheduler:
         kv_read = 0
 
         is_running = running is order
+        step = self.clock.g + 1
         i = 0
         while i < len(order) and budget > 0:
             req = order[i]
             i += 1
-            if not is_running and req.status is not RequestStatus.RUNNING:
-                continue  # preempted earlier in this pass
+            if not is_running:
+                if req.status is not RequestStatus.RUNNING:
+                    continue  # preempted earlier in this pass
+                if req._bg >= 0:
+                    if self._block_event(req, step):
+                        continue  # decodes lazily, counted below
+                    self._delazify(req)  # needs a block and none is free: preemption, as below
+                    budget += 1
             computed = req._comp
             n = req.num_prompt_tokens + req._out - computed
             if n > budget:
@@ -358,7 +397,7 @@ class Scheduler:
         emitted ``out.lazy_seqs`` tokens besides.
         """
         produced: list[SimRequest] = []
-        finished: list[SimRequest] = []
+        done: list[tuple[SimRequest, FinishReason]] = []
         max_len = self.max_model_len
         self.clock.g += 1
         for req, n in out.scheduled:
@@ -368,26 +407,31 @@ class Scheduler:
             req._out += 1
             produced.append(req)
             if req._out >= req.stop_length:
-                self._finish(req, FinishReason.STOP if req.stops_on_eos else FinishReason.LENGTH)
-                finished.append(req)
+                done.append((req, FinishReason.STOP if req.stops_on_eos else FinishReason.LENGTH))
             elif req.num_prompt_tokens + req._out >= max_len:
-                self._finish(req, FinishReason.LENGTH)
-                finished.append(req)
+                done.append((req, FinishReason.LENGTH))
             else:
                 self._lazify(req)
         if self._fin_heap and self._fin_heap[0][0] <= self.clock.g:
-            self._finish_lazy(finished)
+            self._due_lazy_finishes(done)
+        finished: list[SimRequest] = []
+        if done:
+            if len(done) > 1:
+                # Free in scheduling order, as vLLM does: it decides the LRU order of their blocks.
+                done.sort(key=_first_run_order)
+            for req, reason in done:
+                self._finish(req, reason)
+                finished.append(req)
         return produced, finished
 
-    def _finish_lazy(self, finished: list[SimRequest]) -> None:
-        """Finish the lazy requests whose last token was emitted in the step just run."""
+    def _due_lazy_finishes(self, done: list[tuple[SimRequest, FinishReason]]) -> None:
+        """Lazy requests whose last token was emitted in the step just run, with their reasons."""
         for req in self._pop_due(self._fin_heap, self.clock.g, True):
             self._delazify(req)
             if req._out >= req.stop_length:
-                self._finish(req, FinishReason.STOP if req.stops_on_eos else FinishReason.LENGTH)
+                done.append((req, FinishReason.STOP if req.stops_on_eos else FinishReason.LENGTH))
             else:
-                self._finish(req, FinishReason.LENGTH)
-            finished.append(req)
+                done.append((req, FinishReason.LENGTH))
 
     def _finish(self, req: SimRequest, reason: FinishReason) -> None:
         req.finish_reason = reason
@@ -431,9 +475,7 @@ class Scheduler:
         target = g + steps
         heap = self._ev_heap
         pool = self.pool
-        kv = self.kv
         bs = self.block_size
-        caching = pool.enable_caching
         pop = heapq.heappop
         push = heapq.heappush
         while heap and heap[0][0] <= target:
@@ -443,36 +485,33 @@ class Scheduler:
             while heap and heap[0][0] == s:
                 _, seq, req = pop(heap)
                 if req._bg >= 0 and req.run_seq == seq and req._ev == s:
+                    req._ev = -1  # a duplicate entry (same step) must not match again
                     batch.append(req)
                     if req._comp + s - req._bg > len(req.blocks) * bs:
                         need += 1
             if need > pool.num_free_blocks:
                 for req in batch:
+                    req._ev = s
                     push(heap, (s, req.run_seq, req))
                 target = s - 1
                 break
             clock.g = s - 1  # tokens up to the block being hashed exist by then
             for req in batch:
-                bg = req._bg
-                after = req._comp + s - bg
-                blocks = req.blocks
-                if after > len(blocks) * bs:
-                    blocks.extend(pool.allocate(1))
-                if after // bs > req.num_cached_blocks:
-                    kv.cache_full_blocks(req, after)
-                ev = s + len(blocks) * bs - after + 1
-                if caching:
-                    fill = s + (req.num_cached_blocks + 1) * bs - after
-                    if fill < ev:
-                        ev = fill
-                req._ev = ev
-                push(heap, (ev, req.run_seq, req))
+                self._block_event(req, s)
         clock.g = target
         finished: list[SimRequest] = []
         if target > g and self._fin_heap and self._fin_heap[0][0] <= target:
-            self._finish_lazy(finished)
+            done: list[tuple[SimRequest, FinishReason]] = []
+            self._due_lazy_finishes(done)  # popped in running order
+            for req, reason in done:
+                self._finish(req, reason)
+                finished.append(req)
         return target - g, finished
 
 
 def _run_order(req: SimRequest) -> int:
     return req.run_seq
+
+
+def _first_run_order(item: tuple[SimRequest, FinishReason]) -> int:
+    return item[0].run_seq

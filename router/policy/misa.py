@@ -141,7 +141,7 @@ class MisaPolicy(Policy):
         """K_w: sessions of reference size that fit in the engine's KV budget."""
         a = self.settings.admission
         if snap.kv_capacity_tokens <= 0:
-            return a.max_sessions_per_engine
+            return a.sessions_before_capacity_known
         fit = math.floor(snap.kv_capacity_tokens * self.settings.kv_budget_fraction / k_ref)
         return max(a.min_sessions_per_engine, min(a.max_sessions_per_engine, fit))
 
@@ -272,14 +272,19 @@ class MisaPolicy(Policy):
         adm = self.settings.admission
         budget_fraction = self.settings.kv_budget_fraction
         min_cap, max_cap = adm.min_sessions_per_engine, adm.max_sessions_per_engine
+        unknown_cap = adm.sessions_before_capacity_known
+        kv_gate = adm.max_kv_usage_for_new_sessions
         guards, engine_sessions = self.guards, self.engine_sessions
         per_engine_class = self.engine_class_sessions
         budgets_on = self.budgets_on
         k_b_floor = max(k_b, 1.0)
         for w in healthy:
             snap = engines[w]
+            if snap.kv_usage > kv_gate:
+                reason = Reason.HOLD_KV_FULL
+                continue
             capacity = snap.kv_capacity_tokens
-            cap = max(min_cap, min(max_cap, int(capacity * budget_fraction / k_ref))) if capacity > 0 else max_cap
+            cap = max(min_cap, min(max_cap, int(capacity * budget_fraction / k_ref))) if capacity > 0 else unknown_cap
             guard = guards.get(w)
             if guard is not None and guard.factor < 1.0:
                 cap = max(min_cap, int(cap * guard.factor))

@@ -120,11 +120,13 @@ class FootprintSettings(_Settings):
         4, ge=1, description="Completions needed before the estimate replaces the bootstrap value."
     )
     bootstrap_tokens: int = Field(
-        16384, ge=1,
+        65536, ge=1,
         description="Prior for k_b before a class has min_samples completions (project default, "
-        "in real tokens: about a third of an RLVR rollout's peak in the paper's trace). Until "
-        "then k_b is the larger of this and the mean size seen so far of the class's live "
-        "sessions. A class may override it; simulated pools with scaled lengths scale it too.",
+        "in real tokens: half of a 128K context, since an agentic or long RLVR session may grow "
+        "that far; too small a prior over-admits long sessions at start-up, which then cannot be "
+        "taken back). Until then k_b is the larger of this and the mean size seen so far of the "
+        "class's live sessions. A class may override it; simulated pools with scaled lengths "
+        "scale it too.",
     )
 
 
@@ -147,6 +149,18 @@ class SessionAdmissionSettings(_Settings):
         0.5, gt=0.0,
         description="Seconds between re-evaluations of held work and of the hit-rate guard "
         "(project default; about two scrapes).",
+    )
+    max_kv_usage_for_new_sessions: Fraction = Field(
+        0.95,
+        description="No new session opens on an engine whose last scrape shows more of its KV in "
+        "use by running requests than this (project default): past it vLLM starts preempting, "
+        "whatever the footprint estimates say. Continuations are never gated.",
+    )
+    sessions_before_capacity_known: int = Field(
+        4, ge=0,
+        description="K_w of an engine whose KV capacity no scrape has reported yet (project "
+        "default): enough to start work while the first scrape arrives, few enough that a burst "
+        "at start-up cannot flood an engine of unknown size.",
     )
     min_sessions_per_engine: int = Field(
         1, ge=1,

@@ -95,6 +95,8 @@ class Reason(StrEnum):
     HOLD_NO_ENGINE = "no_healthy_engine"
     HOLD_SESSION_CAP = "session_cap"
     """Every engine is at its (possibly cut) new-session cap."""
+    HOLD_KV_FULL = "kv_full"
+    """Engines with room by the caps report their KV nearly full of running requests."""
     HOLD_CLASS_CAP = "class_cap"
     """Engines with session room have no room in this class's KV budget."""
     HOLD_CONCURRENCY_LIMIT = "concurrency_limit"

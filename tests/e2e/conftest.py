@@ -11,14 +11,20 @@ the session ends, whatever the outcome (see ``misat_sim.real_vllm``).
 Other suites (the router's e2e tests) can use ``vllm_servers`` /
 ``vllm_base_urls`` from here, or call ``misat_sim.real_vllm.real_vllm_servers``
 with their own specs.
+
+Tests marked ``e2e_last`` damage the shared servers (the router suite kills
+one engine); they are moved after every other test. ``record_figure`` collects
+the measured figures of a run: they are printed in the terminal summary and
+written to ``out/e2e/figures.json`` (``MISAT_E2E_FIGURES`` overrides the path).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -26,6 +32,43 @@ import pytest
 from misat_sim.real_vllm import RunningServer, default_specs, real_vllm_servers
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+FIGURES = pytest.StashKey[dict[str, object]]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "e2e_last: damages the shared real vLLM servers (kills one); runs after every other test"
+    )
+    config.stash[FIGURES] = {}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Move ``e2e_last`` tests to the end (stable otherwise): they leave one server dead."""
+    items.sort(key=lambda item: item.get_closest_marker("e2e_last") is not None)
+
+
+@pytest.fixture
+def record_figure(request: pytest.FixtureRequest) -> Callable[[str, object], None]:
+    """``record_figure(name, value)``: keep a measured figure under ``<test>.<name>``."""
+    figures = request.config.stash[FIGURES]
+
+    def record(name: str, value: object) -> None:
+        figures[f"{request.node.name}.{name}"] = value
+
+    return record
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatus: int, config: pytest.Config) -> None:
+    figures = config.stash.get(FIGURES, {})
+    if not figures:
+        return
+    terminalreporter.section("e2e figures")
+    for name, value in figures.items():
+        terminalreporter.write_line(f"{name}: {json.dumps(value)}")
+    path = Path(os.environ.get("MISAT_E2E_FIGURES", REPO_ROOT / "out" / "e2e" / "figures.json"))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(figures, indent=2, sort_keys=True) + "\n")
+    terminalreporter.write_line(f"written to {path}")
 
 
 @pytest.fixture(scope="session")

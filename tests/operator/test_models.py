@@ -132,3 +132,14 @@ def test_spec_models_are_frozen() -> None:
 def test_pool_name_length() -> None:
     assert pool_name_error("a" * 40) is None
     assert "at most 40" in (pool_name_error("a" * 41) or "")
+
+
+def test_operator_settings_from_environment() -> None:
+    from misat_operator.settings import SettingsError, from_env
+
+    settings = from_env({"MISAT_OPERATOR_STATUS_INTERVAL_S": "2.5", "MISAT_OPERATOR_ROUTER_URL": "http://r:{port}/"})
+    assert settings.status_interval_s == 2.5
+    assert settings.router_base_url("p", "ns", 8080) == "http://r:8080"
+    assert from_env({}).router_base_url("p", "ns", 8080) == "http://p-router.ns.svc.cluster.local:8080"
+    with pytest.raises(SettingsError, match="MISAT_OPERATOR_STATUS_INTERVAL_S"):
+        from_env({"MISAT_OPERATOR_STATUS_INTERVAL_S": "-1"})

@@ -7,6 +7,7 @@ Golden files: ``MISAT_UPDATE_GOLDEN=1 pytest tests/operator/test_render.py`` rew
 from __future__ import annotations
 
 import copy
+import itertools
 import os
 from pathlib import Path
 from typing import Any
@@ -89,7 +90,7 @@ def test_engine_args_and_gpus(mixed_pool: dict[str, Any], pool_ref: PoolRef) -> 
     desired = render(parse_spec(mixed_pool["spec"]), pool_ref, TOKEN)
     container = desired.engine_deployment["spec"]["template"]["spec"]["containers"][0]
     args = container["args"]
-    pairs = dict(zip(args[:-1], args[1:], strict=True))
+    pairs = dict(itertools.pairwise(args))
     assert pairs["--model"] == "Qwen/Qwen3-30B-A3B"
     assert pairs["--served-model-name"] == "policy"
     assert pairs["--tensor-parallel-size"] == "4"

@@ -160,3 +160,67 @@ def test_advance_matches_stepping_one_by_one(make_engine, drain, caching: bool) 
     cb.busy_time = ca.busy_time
     assert ca == cb
     assert a.counters.num_preemptions > 0  # the case exercises preemption too
+
+
+def _open_loop(e, use_advance: bool, seed: int) -> tuple[list, dict[str, int]]:
+    """Staggered arrivals sharing prefixes (EOS, greedy, length caps); returns finishes and token counts."""
+    rng = random.Random(seed)
+    bases = [[rng.randrange(3, 60) for _ in range(rng.randrange(1, 40))] for _ in range(4)]
+    arrivals = []
+    t = 0.0
+    for i in range(150):
+        t += rng.expovariate(250.0)
+        prompt = (rng.choice(bases) + [rng.randrange(3, 60) for _ in range(rng.randrange(1, 40))])[:100]
+        max_tokens = max(1, min(rng.randrange(1, 90), e.limits.max_model_len - len(prompt) - 1))
+        arrivals.append((t, f"r{i}", prompt, max_tokens, rng.random() < 0.6, rng.random() < 0.1))
+    finished, tokens = [], {}
+    now, i = 0.0, 0
+    while i < len(arrivals) or e.has_unfinished_requests():
+        while i < len(arrivals) and arrivals[i][0] <= now:
+            _, rid, prompt, max_tokens, ignore_eos, greedy = arrivals[i]
+            e.add_request(rid, prompt, max_tokens, ignore_eos=ignore_eos, arrival_time=now, greedy=greedy)
+            i += 1
+        nxt = arrivals[i][0] if i < len(arrivals) else float("inf")
+        if not e.has_unfinished_requests():
+            now = nxt
+            continue
+        r = e.advance(now, nxt) if use_advance else e.step(now)
+        for rid, n in r.new_tokens.items():
+            tokens[rid] = tokens.get(rid, 0) + n
+        finished.extend(r.finished)
+        now = max(now, r.end)
+    return finished, tokens
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_lazy_decode_and_runs_match_stepping_under_staggered_load(make_engine, seed: int) -> None:
+    """The per-event fast paths (lazy decode, decode runs) change nothing observable."""
+
+    def engine():
+        return make_engine(num_gpu_blocks=60, max_model_len=160, max_num_seqs=12, max_num_batched_tokens=48)
+
+    a, b = engine(), engine()
+    stepped, tokens_a = _open_loop(a, False, seed)
+    advanced, tokens_b = _open_loop(b, True, seed)
+    assert [(f.request_id, f.output_token_ids, f.num_cached_tokens, f.num_preemptions) for f in stepped] == [
+        (f.request_id, f.output_token_ids, f.num_cached_tokens, f.num_preemptions) for f in advanced
+    ]
+    assert [f.finish_time for f in stepped] == pytest.approx([f.finish_time for f in advanced])
+    assert [f.first_token_time for f in stepped] == pytest.approx([f.first_token_time for f in advanced])
+    assert tokens_a == tokens_b == {f.request_id: len(f.output_token_ids) for f in stepped}
+    ca, cb = a.sync_counters(), b.sync_counters()
+    assert cb.busy_time == pytest.approx(ca.busy_time)
+    cb.busy_time = ca.busy_time
+    assert ca == cb
+    assert ca.num_preemptions > 0 and ca.prefix_cache_hits > 0
+
+
+def test_counts_of_a_lazily_decoding_request_read_exactly(make_engine) -> None:
+    e = make_engine()
+    e.add_request("a", _prompt(10), 40, ignore_eos=True, arrival_time=0.0)
+    r = e.advance(0.0, 0.05)
+    req = e.get_request("a")
+    assert req.num_output_tokens == r.new_tokens["a"] == r.num_steps
+    assert req.num_computed_tokens == req.num_tokens - 1
+    assert len(e.output_token_ids("a")) == req.num_output_tokens
+    assert len(req.blocks) == -(-req.num_computed_tokens // e.limits.block_size)

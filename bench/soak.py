@@ -1,0 +1,310 @@
+"""Bounded soak of the router: many concurrent streaming sessions against simulated engines.
+
+One process holds everything, on loopback: ``--engines`` simulated vLLM engines
+(``misat_sim``, tiny-cpu geometry with a larger KV cache, fast ``--time-scale``), the real
+router app (MISA-T, served with ``misat_router.server.SERVER_OPTIONS``) and ``--sessions``
+client tasks. Each client runs sessions back to back until ``--duration`` ends: an agentic
+session of 2-4 streamed turns, or a single streamed RLVR/RLHF request; every request asks
+for usage in the stream. Then the clients stop, the load drains, and the run reports:
+
+- RSS of the process (``/proc/self/status``) at the end of warm-up (``--warmup`` seconds)
+  and its maximum afterwards: growth must stay under 10 %;
+- open file descriptors (``/proc/self/fd``) sampled over the run, and before the load
+  vs. after it drained and the client pool closed: no leak;
+- p50/p99 proxy overhead from the router's ``misat_proxy_overhead_seconds`` histogram
+  (arrival to upstream request sent, hold time excluded; the bucket upper bound), and the
+  client-side time to first byte;
+- requests, errors, broken streams, and that every in-flight, held and per-engine count
+  returned to zero.
+
+    python bench/soak.py --sessions 1000 --duration 600 --json out/soak.json
+
+``tests/reliability/test_soak.py`` runs it under ``-m slow`` (``MISAT_SOAK_S`` seconds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import gc
+import json
+import os
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
+
+from misat_router.app import STATE, create_app
+from misat_router.config import RouterConfig
+from misat_router.server import SERVER_OPTIONS
+from misat_sim.config import SimEngineConfig
+from misat_sim.server import create_app as create_sim_app
+
+MODEL = "soak"
+RSS_GROWTH_LIMIT = 0.10
+"""The issue's bound: RSS after warm-up grows less than 10 %."""
+
+
+@dataclass(frozen=True)
+class SoakConfig:
+    sessions: int = 1000
+    duration_s: float = 600.0
+    warmup_s: float = 60.0
+    engines: int = 4
+    time_scale: float = 20.0
+    max_tokens: int = 24
+    sample_every_s: float = 5.0
+    seed: int = 0
+
+
+@dataclass
+class SoakReport:
+    config: dict[str, Any]
+    wall_s: float = 0.0
+    requests: int = 0
+    ok: int = 0
+    errors: int = 0
+    broken_streams: int = 0
+    sessions_completed: int = 0
+    rss_before_mb: float = 0.0
+    rss_warm_mb: float = 0.0
+    rss_max_after_warm_mb: float = 0.0
+    rss_end_mb: float = 0.0
+    rss_growth: float = 0.0
+    fds_before: int = 0
+    fds_warm: int = 0
+    fds_max_after_warm: int = 0
+    fds_after_drain: int = 0
+    overhead_p50_s: float | None = None
+    overhead_p99_s: float | None = None
+    overhead_count: int = 0
+    ttfb_p50_s: float | None = None
+    ttfb_p99_s: float | None = None
+    drained: bool = False
+    leftovers: dict[str, Any] = field(default_factory=dict)
+    samples: list[dict[str, float]] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return (self.rss_growth < RSS_GROWTH_LIMIT and self.drained and self.errors == 0
+                and self.fds_after_drain <= self.fds_before + 16)
+
+
+def rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def histogram_quantile(text: str, name: str, q: float) -> tuple[float | None, int]:
+    """Upper bound of the bucket holding quantile ``q`` of a Prometheus histogram; and its count."""
+    buckets: list[tuple[float, float]] = []
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == name + "_bucket":
+                buckets.append((float(s.labels["le"]), s.value))
+    buckets.sort()
+    if not buckets or buckets[-1][1] == 0:
+        return None, 0
+    total = buckets[-1][1]
+    for le, cum in buckets:
+        if cum >= q * total:
+            return le, int(total)
+    return float("inf"), int(total)
+
+
+def quantile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+async def start_engine(i: int, cfg: SoakConfig) -> web.AppRunner:
+    sim = SimEngineConfig(profile="tiny-cpu", served_model_name=MODEL, seed=i, time_scale=cfg.time_scale,
+                          num_gpu_blocks=2048, max_num_seqs=512, max_num_batched_tokens=8192, engine_index=0)
+    runner = web.AppRunner(create_sim_app(sim), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return runner
+
+
+def port_of(runner: web.AppRunner) -> int:
+    site = next(iter(runner.sites))
+    return int(site._server.sockets[0].getsockname()[1])  # type: ignore[union-attr]
+
+
+def router_config(urls: list[str]) -> RouterConfig:
+    return RouterConfig.model_validate({
+        "generation": 1, "model": MODEL, "engines": {"urls": urls},
+        "workloads": {"classes": [{"name": "rlvr", "share": 40}, {"name": "rlhf", "share": 20},
+                                  {"name": "agentic", "share": 40, "multi_turn": True}],
+                      "default_class": None},
+        "policy": {"name": "misa-t", "footprint": {"bootstrap_tokens": 512}},
+        "hold_deadline_s": 120.0,
+        # Engines, router and 1000 clients share one event loop here: a 0.4 s health timeout
+        # would measure that loop's latency under load, not the engines' health.
+        "health_timeout_s": 3.0, "unhealthy_after_failures": 3,
+    })
+
+
+class Clients:
+    def __init__(self, http: aiohttp.ClientSession, url: str, cfg: SoakConfig, report: SoakReport) -> None:
+        self.http, self.url, self.cfg, self.report = http, url, cfg, report
+        self.stop = asyncio.Event()
+        self.ttfb: list[float] = []
+
+    async def request(self, rnd: random.Random, headers: dict[str, str], prompt: list[int]) -> None:
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": self.cfg.max_tokens, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True}}
+        r = self.report
+        r.requests += 1
+        t0 = time.monotonic()
+        try:
+            async with self.http.post(self.url + "/v1/completions", json=body, headers=headers) as resp:
+                first = await resp.content.readany()
+                if len(self.ttfb) < 200_000:
+                    self.ttfb.append(time.monotonic() - t0)
+                data = first + await resp.read()
+                if resp.status != 200:
+                    r.errors += 1
+                elif b"engine_stream_broken" in data:
+                    r.broken_streams += 1
+                elif not data.endswith(b"data: [DONE]\n\n"):
+                    r.errors += 1
+                else:
+                    r.ok += 1
+        except (aiohttp.ClientError, TimeoutError):
+            r.errors += 1
+
+    async def client(self, i: int) -> None:
+        rnd = random.Random(self.cfg.seed * 1_000_003 + i)
+        n = 0
+        while not self.stop.is_set():
+            n += 1
+            prompt = [rnd.randrange(3, 2000) for _ in range(rnd.randrange(16, 64))]
+            if rnd.random() < 0.4:
+                sid = f"c{i}-s{n}"
+                turns = rnd.randrange(2, 5)
+                for t in range(turns):
+                    headers = {"X-Rollout-Class": "agentic", "X-Session-Id": sid, "X-Session-Turn": str(t),
+                               "X-Session-End": "true" if t == turns - 1 else "false"}
+                    prompt = prompt + [rnd.randrange(3, 2000) for _ in range(8)]
+                    await self.request(rnd, headers, prompt)
+            else:
+                await self.request(rnd, {"X-Rollout-Class": "rlvr" if rnd.random() < 0.67 else "rlhf"}, prompt)
+            self.report.sessions_completed += 1
+
+
+async def run_soak(cfg: SoakConfig, log: Any = print) -> SoakReport:
+    report = SoakReport(config=asdict(cfg))
+    gc.collect()
+    report.rss_before_mb, report.fds_before = rss_mb(), open_fds()
+    engines = [await start_engine(i, cfg) for i in range(cfg.engines)]
+    urls = [f"http://127.0.0.1:{port_of(e)}" for e in engines]
+    app = create_app(router_config(urls), admin_token=None)
+    router = web.AppRunner(app, **SERVER_OPTIONS)  # type: ignore[arg-type]
+    await router.setup()
+    await web.TCPSite(router, "127.0.0.1", 0).start()
+    url = f"http://127.0.0.1:{port_of(router)}"
+    state = app[STATE]
+    await state.wait_until(lambda: state.registry.healthy_count() == cfg.engines, 30.0)
+
+    http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=None))
+    clients = Clients(http, url, cfg, report)
+    t0 = time.monotonic()
+    tasks = [asyncio.create_task(clients.client(i)) for i in range(cfg.sessions)]
+    warm_taken = False
+    try:
+        while (elapsed := time.monotonic() - t0) < cfg.duration_s:
+            await asyncio.sleep(min(cfg.sample_every_s, cfg.duration_s - elapsed))
+            elapsed = time.monotonic() - t0
+            sample = {"t": round(elapsed, 1), "rss_mb": round(rss_mb(), 1), "fds": open_fds(),
+                      "requests": report.requests, "in_flight": len(state.dispatcher.in_flight),
+                      "held": state.runner.held_count()}
+            report.samples.append(sample)
+            log(json.dumps(sample))
+            if not warm_taken and elapsed >= cfg.warmup_s:
+                gc.collect()
+                report.rss_warm_mb, report.fds_warm, warm_taken = rss_mb(), open_fds(), True
+            elif warm_taken:
+                report.rss_max_after_warm_mb = max(report.rss_max_after_warm_mb, sample["rss_mb"])
+                report.fds_max_after_warm = max(report.fds_max_after_warm, sample["fds"])
+    finally:
+        clients.stop.set()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    report.wall_s = time.monotonic() - t0
+    gc.collect()
+    report.rss_end_mb = rss_mb()
+    if warm_taken:
+        report.rss_max_after_warm_mb = max(report.rss_max_after_warm_mb, report.rss_end_mb)
+        report.rss_growth = report.rss_max_after_warm_mb / report.rss_warm_mb - 1.0
+
+    # Drained: every count back to zero (multi-turn sessions all ended with their last turn).
+    with contextlib.suppress(TimeoutError):
+        await state.wait_until(lambda: not state.dispatcher.in_flight and state.runner.held_count() == 0, 30.0)
+    pol = state.runner.policy
+    report.leftovers = {
+        "in_flight": len(state.dispatcher.in_flight), "held": state.runner.held_count(),
+        "sessions": len(state.runner.sessions), "load_total": pol.load.total,
+        "engine_sessions": sum(getattr(pol, "engine_sessions", {}).values()),
+    }
+    report.drained = not any(report.leftovers.values())
+    async with http.get(url + "/metrics") as resp:
+        text = await resp.text()
+    report.overhead_p50_s, report.overhead_count = histogram_quantile(text, "misat_proxy_overhead_seconds", 0.5)
+    report.overhead_p99_s, _ = histogram_quantile(text, "misat_proxy_overhead_seconds", 0.99)
+    report.ttfb_p50_s, report.ttfb_p99_s = quantile(clients.ttfb, 0.5), quantile(clients.ttfb, 0.99)
+    await http.close()
+    await router.cleanup()
+    for e in engines:
+        await e.cleanup()
+    await asyncio.sleep(0)  # let closed transports release their sockets
+    gc.collect()
+    report.fds_after_drain = open_fds()
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sessions", type=int, default=1000, help="concurrent client sessions (default 1000)")
+    p.add_argument("--duration", type=float, default=600.0, help="seconds of load (default 600)")
+    p.add_argument("--warmup", type=float, default=None, help="seconds before the RSS baseline (default 10%%)")
+    p.add_argument("--engines", type=int, default=4)
+    p.add_argument("--time-scale", type=float, default=20.0)
+    p.add_argument("--max-tokens", type=int, default=24)
+    p.add_argument("--json", default=None, help="write the report here")
+    args = p.parse_args(argv)
+    warmup = args.warmup if args.warmup is not None else max(5.0, args.duration * 0.1)
+    cfg = SoakConfig(sessions=args.sessions, duration_s=args.duration, warmup_s=warmup, engines=args.engines,
+                     time_scale=args.time_scale, max_tokens=args.max_tokens,
+                     sample_every_s=min(5.0, max(1.0, args.duration / 60)))
+    with contextlib.suppress(ImportError):
+        import uvloop
+
+        uvloop.install()
+    report = asyncio.run(run_soak(cfg, log=lambda s: print(s, file=sys.stderr)))
+    out = asdict(report) | {"passed": report.passed}
+    text = json.dumps(out, indent=2)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(text)
+    summary = {k: v for k, v in out.items() if k != "samples"}
+    print(json.dumps(summary, indent=2))
+    return 0 if report.passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

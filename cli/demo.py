@@ -1,0 +1,199 @@
+"""``misat demo`` (what ``make demo`` runs): a local RolloutPool under a mixed RL workload.
+
+``misat up`` on ``examples/mixed-pool.yaml`` (simulated vLLM engines, the
+MISA-T router), then the trainer emulator releasing agentic, RLVR and RLHF
+rollouts through it for a bounded time, with live progress; then a report
+table, a PNG plot and a JSON result under ``--out``. ``--compare`` runs the
+same seeded workload through the vLLM Router's ``cache_aware`` policy at the
+same trainer ceiling and prints the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+
+from misat_router.policy.settings import PolicyName
+
+from .localpool import LocalPool, PoolError, local_pool
+
+DEFAULT_MANIFEST = Path("examples/mixed-pool.yaml")
+REFRESH_S = 1.0
+"""Progress display refresh period."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="misat demo", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("-f", "--filename", type=Path, default=DEFAULT_MANIFEST, help="RolloutPool manifest")
+    ap.add_argument("--duration", type=float, default=120.0, help="wall seconds of trainer load per run")
+    ap.add_argument("--time-scale", type=float, default=10.0,
+                    help="simulated engines (and tool gaps) run this many times faster than real time")
+    ap.add_argument("--ceiling", type=int, default=512, help="trainer's max rollout units in flight")
+    ap.add_argument("--profile", default="qwen30b-a3b-h100", help="simulation profile of the engines")
+    ap.add_argument("--seed", type=int, default=0, help="workload seed (same seed, same sessions)")
+    ap.add_argument("--no-drain", dest="drain", action="store_false",
+                    help="stop at --duration without finishing in-flight units (the consumed mixture then "
+                    "leans to short classes: long agentic trajectories are cut off)")
+    ap.add_argument("--compare", action="store_true", help="also run the cache_aware baseline")
+    ap.add_argument("--out", type=Path, default=Path("out/demo"), help="report directory")
+    return ap
+
+
+def workload_spec(pool: LocalPool, seed: int) -> Any:
+    from misat_sim.workload import RolloutClass, WorkloadSpec
+
+    known = {c.value for c in RolloutClass}
+    names = [w.name for w in pool.spec.workloads]
+    unknown = sorted(set(names) - known)
+    if unknown:
+        raise PoolError(f"the demo's trainer emulates the classes {sorted(known)}; the manifest has {unknown}")
+    mixture = {RolloutClass(w.name): w.share for w in pool.spec.workloads}
+    return WorkloadSpec(seed=seed, mixture=mixture, session_prefix=f"demo{seed}")
+
+
+def progress_view(policy: str, report: Any, status: dict[str, Any] | None, duration: float) -> Group:
+    head = Table.grid(padding=(0, 2))
+    hit = f"{100 * report.prefix_hit_rate:.1f}%" if report.prefix_hit_rate is not None else "-"
+    tv = f"{report.mixture_tv_points:.2f} pts" if report.mixture_tv_points is not None else "-"
+    head.add_row(f"[bold]{policy}[/]", f"{report.elapsed_s:5.0f}/{duration:.0f} s",
+                 f"samples/min [bold]{report.sample_rate_per_min:7.1f}[/]", f"prefix hit [bold]{hit}[/]",
+                 f"mixture TV [bold]{tv}[/]", f"held {status.get('held_requests', 0) if status else '-'}",
+                 f"errors {report.errors}")
+    table = Table(expand=False)
+    for col in ("class", "units done", "consumed %", "target %", "active sessions", "held", "KV used (tokens)"):
+        table.add_column(col, justify="left" if col == "class" else "right")
+    classes = {c["name"]: c for c in (status or {}).get("classes", [])}
+    for cls, fig in report.per_class.items():
+        c = classes.get(cls.value, {})
+        used = c.get("kv_used_tokens")
+        table.add_row(cls.value, str(fig.units), f"{report.consumed_mixture_pct.get(cls, 0.0):.1f}",
+                      f"{report.target_mixture_pct.get(cls, 0.0):.1f}", str(c.get("active_sessions", "-")),
+                      str(c.get("held_requests", "-")), f"{used:,.0f}" if isinstance(used, int | float) else "-")
+    return Group(head, table)
+
+
+async def run_once(args: argparse.Namespace, console: Console, policy: PolicyName | None) -> dict[str, Any]:
+    from misat_sim.trainer import Trainer, TrainerConfig
+
+    label = policy.value if policy else "misa-t"
+    async with local_pool(args.filename, profile=args.profile, time_scale=args.time_scale, port=0,
+                          policy=policy, log_dir=args.out / "logs" / label) as pool:
+        label = pool.config.policy.name.value
+        console.print(f"[bold]{label}[/]: router {pool.router_url}, {len(pool.engine_urls)} simulated engines "
+                      f"({args.profile}, x{args.time_scale:g} speed), trainer ceiling {args.ceiling} units")
+        trainer = Trainer(TrainerConfig(base_url=pool.router_url, model=pool.spec.model.served,
+                                        max_in_flight=args.ceiling, duration_s=args.duration,
+                                        drain=args.drain, time_scale=args.time_scale),
+                          workload_spec(pool, args.seed))
+        task = asyncio.create_task(trainer.run())
+        status: dict[str, Any] | None = None
+        with Live(console=console, refresh_per_second=2, transient=False) as live:
+            while not task.done():
+                with contextlib.suppress(Exception):
+                    status = await pool.status()
+                live.update(progress_view(label, trainer.snapshot(), status, args.duration))
+                await asyncio.wait({task}, timeout=REFRESH_S)
+            report = task.result()
+            with contextlib.suppress(Exception):
+                status = await pool.status()
+            live.update(progress_view(label, report, status, args.duration))
+    return {"policy": label, "trainer": report.model_dump(mode="json"), "router_status": status}
+
+
+def summary_table(results: list[dict[str, Any]]) -> Table:
+    table = Table(title="misat demo: rollout throughput with the mixture intact")
+    for col in ("policy", "samples/min", "requests/min", "decode tok/s", "prefix hit %", "mixture TV pts",
+                "units done", "errors"):
+        table.add_column(col, justify="left" if col == "policy" else "right")
+    for r in results:
+        t = r["trainer"]
+        hit = t["prefix_hit_rate"]
+        tv = t["mixture_tv_points"]
+        table.add_row(r["policy"], f"{t['sample_rate_per_min']:.1f}", f"{t['requests_per_min']:.0f}",
+                      f"{t['decode_tokens_per_s']:.0f}", f"{100 * hit:.1f}" if hit is not None else "-",
+                      f"{tv:.2f}" if tv is not None else "-", str(t["units_completed"]), str(t["errors"]))
+    return table
+
+
+def plot(results: list[dict[str, Any]], path: Path) -> bool:
+    """Throughput over time and mixture against target; False when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for r in results:
+        t = r["trainer"]
+        pts = t["throughput_series"]
+        bucket = t["bucket_s"]
+        ax1.plot([p["t_s"] for p in pts], [p["units"] * 60.0 / bucket for p in pts], label=r["policy"], alpha=0.8)
+    ax1.set_xlabel("wall time (s)")
+    ax1.set_ylabel("completed units per minute")
+    ax1.set_title("Rollout throughput")
+    ax1.legend()
+    classes = list(results[0]["trainer"]["target_mixture_pct"])
+    width = 0.8 / (len(results) + 1)
+    xs = range(len(classes))
+    ax2.bar([x - 0.4 + width / 2 for x in xs], [results[0]["trainer"]["target_mixture_pct"][c] for c in classes],
+            width, label="target", color="lightgray")
+    for i, r in enumerate(results, start=1):
+        ax2.bar([x - 0.4 + width / 2 + i * width for x in xs],
+                [r["trainer"]["consumed_mixture_pct"].get(c, 0.0) for c in classes], width, label=r["policy"])
+    ax2.set_xticks(list(xs), classes)
+    ax2.set_ylabel("% of completed units")
+    ax2.set_title("Mixture: consumed vs target")
+    ax2.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+async def demo(args: argparse.Namespace, console: Console) -> list[dict[str, Any]]:
+    args.out.mkdir(parents=True, exist_ok=True)
+    results = [await run_once(args, console, None)]
+    if args.compare:
+        results.append(await run_once(args, console, PolicyName.CACHE_AWARE))
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    console = Console()
+    try:
+        results = asyncio.run(demo(args, console))
+    except PoolError as exc:
+        console.print(f"[bold red]misat demo:[/] {exc}")
+        return 1
+    except KeyboardInterrupt:
+        console.print("interrupted")
+        return 130
+    console.print(summary_table(results))
+    if len(results) == 2:
+        a, b = (r["trainer"] for r in results)
+        if b["sample_rate_per_min"] > 0:
+            console.print(f"MISA-T / cache_aware sample rate at the same trainer ceiling ({args.ceiling}): "
+                          f"[bold]{a['sample_rate_per_min'] / b['sample_rate_per_min']:.2f}x[/]")
+    result_path = args.out / "result.json"
+    result_path.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "runs": results},
+                                      indent=2))
+    png = args.out / "demo.png"
+    plotted = plot(results, png)
+    console.print(f"JSON result: {result_path}" + (f"; plot: {png}" if plotted else " (matplotlib missing: no plot)"))
+    failed = sum(r["trainer"]["errors"] for r in results)
+    if failed:
+        console.print(f"[bold red]{failed} request(s) failed[/]; see {args.out}/logs")
+        return 1
+    return 0

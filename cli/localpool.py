@@ -1,0 +1,291 @@
+"""A RolloutPool on one machine: the manifest ``kubectl apply`` takes, without Kubernetes.
+
+The manifest is validated with the operator's models and messages, the
+router config is rendered by the operator's own ``build_router_config`` (only
+the engine addresses differ: local URLs instead of a headless Service), and
+admission changes are pushed to the router's admin endpoint with the
+operator's ``RouterClient``, the same path as the operator's hot reload.
+
+Engines are simulated vLLM servers (``misat sim-engine``), one process each
+like real replicas, or real engines given by URL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import yaml
+from aiohttp import web
+from pydantic import ValidationError
+
+from misat_operator.models import RolloutPoolSpec, describe_spec_error, parse_spec, pool_name_error
+from misat_operator.render import PoolRef, build_router_config
+from misat_operator.router_client import RouterClient, RouterUnavailable
+from misat_router.app import create_app
+from misat_router.config import EnginesConfig, RouterConfig
+from misat_router.policy.settings import PolicyName
+
+ENGINE_START_TIMEOUT_S = 60.0
+"""How long a simulated engine may take to answer /health after its process starts."""
+ENGINE_STOP_TIMEOUT_S = 5.0
+"""SIGTERM grace before SIGKILL when stopping engines."""
+MANIFEST_POLL_S = 1.0
+"""How often ``misat up`` checks the manifest file for edits."""
+LOCAL_NAMESPACE = "local"
+SIM_ENGINE_PROBE_TIMEOUT_S = 2.0
+"""Health and scrape timeout towards simulated engines: they share this machine's few cores with
+the router and the trainer, so an overloaded one answers late, where a GPU server's API process
+would not; the operator's tighter defaults would take it out of rotation for that."""
+
+
+class PoolError(Exception):
+    """A clear, user-facing reason why the local pool cannot run (no traceback wanted)."""
+
+
+def load_manifest(path: Path) -> tuple[str, RolloutPoolSpec]:
+    """Read and validate a RolloutPool manifest: (name, spec), or PoolError with the reason."""
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise PoolError(f"cannot read {path}: {exc.strerror or exc}") from None
+    try:
+        doc = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise PoolError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(doc, dict) or doc.get("kind") != "RolloutPool":
+        kind = doc.get("kind") if isinstance(doc, dict) else None
+        raise PoolError(f"{path}: not a RolloutPool manifest (kind: {kind})")
+    name = str((doc.get("metadata") or {}).get("name") or "")
+    problem = pool_name_error(name)
+    if problem:
+        raise PoolError(f"{path}: invalid RolloutPool {name!r}: {problem}")
+    try:
+        return name, parse_spec(doc.get("spec") or {})
+    except ValidationError as exc:
+        raise PoolError(f"{path}: invalid RolloutPool {name!r}:\n{describe_spec_error(exc)}") from None
+
+
+def render_local_config(
+    name: str,
+    spec: RolloutPoolSpec,
+    engine_urls: list[str],
+    generation: int,
+    *,
+    policy: PolicyName | None = None,
+    length_scale: float = 1.0,
+) -> RouterConfig:
+    """The operator's rendering, pointed at local engines.
+
+    With simulated engines token lengths are scaled (``length_scale``), so a
+    class's footprint prior, given in real tokens, is scaled alike unless the
+    manifest sets one.
+    """
+    ref = PoolRef(name=name, namespace=LOCAL_NAMESPACE, uid="local", generation=generation)
+    config = build_router_config(spec, ref)
+    policy_settings = config.policy
+    if policy is not None:
+        policy_settings = policy_settings.model_copy(update={"name": policy})
+    mix = config.workloads
+    if length_scale != 1.0:
+        prior = max(1, round(policy_settings.footprint.bootstrap_tokens * length_scale))
+        scaled = {"bootstrap_footprint_tokens": prior}
+        mix = mix.model_copy(update={"classes": tuple(
+            c if c.bootstrap_footprint_tokens is not None else c.model_copy(update=scaled) for c in mix.classes
+        )})
+    overrides: dict[str, Any] = {
+        "engines": EnginesConfig(urls=tuple(engine_urls)).model_dump(),
+        "workloads": mix.model_dump(),
+        "policy": policy_settings.model_dump(),
+    }
+    if length_scale != 1.0:
+        overrides |= {"health_timeout_s": SIM_ENGINE_PROBE_TIMEOUT_S, "scrape_timeout_s": SIM_ENGINE_PROBE_TIMEOUT_S}
+    return RouterConfig.model_validate({**config.model_dump(), **overrides})
+
+
+def free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class SimEngineProcess:
+    url: str
+    proc: subprocess.Popen[bytes]
+
+
+async def _wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1.0)) as http:
+        while True:
+            if proc.poll() is not None:
+                raise PoolError(f"simulated engine at {url} exited with code {proc.returncode} while starting")
+            with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+                async with http.get(f"{url}/health") as resp:
+                    if resp.status == 200:
+                        return
+            if asyncio.get_running_loop().time() > deadline:
+                raise PoolError(f"simulated engine at {url} did not become healthy in {timeout_s:.0f} s")
+            await asyncio.sleep(0.1)  # bounded poll of a starting process
+
+
+async def start_sim_engines(
+    spec: RolloutPoolSpec, *, profile: str, time_scale: float, host: str, log_dir: Path | None
+) -> list[SimEngineProcess]:
+    """One ``misat sim-engine`` process per engine replica, healthy before return."""
+    engines: list[SimEngineProcess] = []
+    try:
+        for i in range(spec.engines.replicas):
+            port = free_port(host)
+            cmd = [sys.executable, "-P", "-m", "misat_sim.server", "--profile", profile, "--host", host,
+                   "--port", str(port), "--served-model-name", spec.model.served, "--time-scale", str(time_scale),
+                   "--seed", str(i), "--engine-index", str(i)]
+            if spec.engines.max_num_seqs is not None:
+                cmd += ["--max-num-seqs", str(spec.engines.max_num_seqs)]
+            if spec.engines.max_num_batched_tokens is not None:
+                cmd += ["--max-num-batched-tokens", str(spec.engines.max_num_batched_tokens)]
+            log = subprocess.DEVNULL
+            if log_dir is not None:
+                log_dir.mkdir(parents=True, exist_ok=True)
+                log = (log_dir / f"engine-{i}.log").open("wb")  # type: ignore[assignment]
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            engines.append(SimEngineProcess(f"http://{host}:{port}", proc))
+        await asyncio.gather(*(_wait_healthy(e.url, e.proc, ENGINE_START_TIMEOUT_S) for e in engines))
+    except BaseException:
+        stop_engines(engines)
+        raise
+    return engines
+
+
+def stop_engines(engines: list[SimEngineProcess]) -> None:
+    """SIGTERM every engine's process group, then SIGKILL what is left."""
+    for e in engines:
+        if e.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(e.proc.pid, signal.SIGTERM)
+    for e in engines:
+        try:
+            e.proc.wait(timeout=ENGINE_STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(e.proc.pid, signal.SIGKILL)
+            e.proc.wait()
+
+
+@dataclass
+class LocalPool:
+    """A running local pool."""
+
+    name: str
+    spec: RolloutPoolSpec
+    router_url: str
+    admin_token: str
+    engine_urls: list[str]
+    config: RouterConfig
+    length_scale: float
+    policy_override: PolicyName | None = None
+    client: RouterClient = field(default_factory=RouterClient)
+
+    async def reload(self, manifest: Path) -> str:
+        """Re-read the manifest and push the new admission settings (the operator's hot-reload path)."""
+        name, spec = load_manifest(manifest)
+        if spec.engines != self.spec.engines or spec.model != self.spec.model:
+            raise PoolError("engine or model changes need a restart of `misat up` (on Kubernetes the "
+                            "operator rolls the engines); admission, workload and budget changes apply live")
+        config = render_local_config(name, spec, self.engine_urls, self.config.generation + 1,
+                                     policy=self.policy_override, length_scale=self.length_scale)
+        try:
+            result = await self.client.push_config(self.router_url, self.admin_token, config)
+        except RouterUnavailable as exc:
+            raise PoolError(f"the router refused the new settings, the old ones stay: {exc}") from None
+        self.spec, self.config = spec, config
+        return f"applied generation {result.generation} (config {result.config_hash})"
+
+    async def status(self) -> dict[str, Any]:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0)) as http, \
+                http.get(f"{self.router_url}/status") as resp:
+            return await resp.json()  # type: ignore[no-any-return]
+
+
+@contextlib.asynccontextmanager
+async def local_pool(
+    manifest: Path,
+    *,
+    engine_urls: list[str] | None = None,
+    profile: str = "qwen30b-a3b-h100",
+    time_scale: float = 10.0,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    policy: PolicyName | None = None,
+    log_dir: Path | None = None,
+) -> AsyncIterator[LocalPool]:
+    """Start engines (unless given) and the router; stop everything on exit."""
+    name, spec = load_manifest(manifest)
+    engines: list[SimEngineProcess] = []
+    length_scale = 1.0
+    if engine_urls is None:
+        from misat_sim.config import SimEngineConfig
+
+        try:
+            length_scale = SimEngineConfig(profile=profile).resolve().length_scale
+        except (KeyError, ValueError) as exc:
+            raise PoolError(f"simulation profile {profile!r}: {exc}") from None
+        engines = await start_sim_engines(spec, profile=profile, time_scale=time_scale, host=host, log_dir=log_dir)
+        engine_urls = [e.url for e in engines]
+    runner: web.AppRunner | None = None
+    try:
+        config = render_local_config(name, spec, engine_urls, 1, policy=policy, length_scale=length_scale)
+        token = secrets.token_urlsafe(24)
+        runner = web.AppRunner(create_app(config, admin_token=token), handler_cancellation=True,
+                               access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, host, port)
+        try:
+            await site.start()
+        except OSError as exc:
+            raise PoolError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+        bound = runner.addresses[0][1]
+        pool = LocalPool(name, spec, f"http://{host}:{bound}", token, engine_urls, config, length_scale, policy)
+        try:
+            yield pool
+        finally:
+            await pool.client.close()
+    finally:
+        if runner is not None:
+            await runner.cleanup()
+        stop_engines(engines)
+
+
+def file_digest(path: Path) -> str | None:
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError:
+        return None
+
+
+async def watch_manifest(pool: LocalPool, manifest: Path, report: Callable[[str], None]) -> None:
+    """Push admission edits of the manifest to the running router, as the operator would."""
+    seen = file_digest(manifest)
+    while True:
+        await asyncio.sleep(MANIFEST_POLL_S)  # polling period of a file watch, not a synchronisation
+        digest = file_digest(manifest)
+        if digest is None or digest == seen:
+            continue
+        seen = digest
+        try:
+            report(f"{manifest}: {await pool.reload(manifest)}")
+        except PoolError as exc:
+            report(f"{manifest}: not applied: {exc}")
