@@ -268,8 +268,9 @@ class RouterState:
         self.last_reload_error: str | None = None
         self.runner = PolicyRunner(build_policy(config.policy, config.workloads), config.workloads)
         self.registry = EngineRegistry(
-            clock, on_down=self._engine_down, on_up=self._engine_up, on_removed=self._engine_down
+            clock, on_down=self._engine_down, on_up=self._engine_up, on_removed=self._engine_removed
         )
+        self._pending_release: dict[str, asyncio.TimerHandle] = {}
         self.metrics = RouterMetrics(self.status)
         self.sample_meter = SampleRateMeter(clock())
         self.dispatcher = Dispatcher(self)
@@ -298,11 +299,35 @@ class RouterState:
                 await self._changed.wait()
 
     def _engine_down(self, engine_id: str) -> None:
+        """Out of rotation: nothing new goes there at once; the books are released after a grace."""
+        grace = self.config.release_down_engine_after_s
+        if grace <= 0:
+            self._engine_removed(engine_id)
+            return
+        if engine_id not in self._pending_release:
+            loop = asyncio.get_running_loop()
+            self._pending_release[engine_id] = loop.call_later(grace, self._release_if_still_down, engine_id)
+        self.dispatcher.kick()
+        self.touch()
+
+    def _release_if_still_down(self, engine_id: str) -> None:
+        self._pending_release.pop(engine_id, None)
+        state = self.registry.get(engine_id)
+        if state is None or not state.healthy:
+            self._engine_removed(engine_id)
+
+    def _engine_removed(self, engine_id: str) -> None:
+        handle = self._pending_release.pop(engine_id, None)
+        if handle is not None:
+            handle.cancel()
         self.runner.remove_engine(engine_id, self.clock())
         self.dispatcher.kick()
         self.touch()
 
     def _engine_up(self, engine_id: str) -> None:
+        handle = self._pending_release.pop(engine_id, None)
+        if handle is not None:
+            handle.cancel()
         self.dispatcher.kick()
         self.touch()
 

@@ -156,6 +156,13 @@ class RouterConfig(_Frozen):
         2.0, gt=0.0,
         description="Seconds between checks of the watched config file (a mounted ConfigMap).",
     )
+    release_down_engine_after_s: float = Field(
+        10.0, ge=0.0,
+        description="An engine out of rotation this long has its sessions and KV accounting "
+        "released (project default). Shorter outages, such as an overloaded engine missing two "
+        "health checks, keep the books: forgetting the sessions there would let the router admit "
+        "a flood of new ones onto KV that is still occupied. Removed engines release at once.",
+    )
     drain_timeout_s: float = Field(
         30.0, ge=0.0,
         description="On shutdown, longest wait for in-flight requests to finish before the "
