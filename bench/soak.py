@@ -70,6 +70,7 @@ class SoakReport:
     requests: int = 0
     ok: int = 0
     errors: int = 0
+    errors_by_kind: dict[str, int] = field(default_factory=dict)
     broken_streams: int = 0
     sessions_completed: int = 0
     rss_before_mb: float = 0.0
@@ -179,15 +180,20 @@ class Clients:
                     self.ttfb.append(time.monotonic() - t0)
                 data = first + await resp.read()
                 if resp.status != 200:
-                    r.errors += 1
+                    self.error(f"status {resp.status}: {data[:120].decode(errors='replace')}")
                 elif b"engine_stream_broken" in data:
                     r.broken_streams += 1
                 elif not data.endswith(b"data: [DONE]\n\n"):
-                    r.errors += 1
+                    self.error("stream without [DONE]")
                 else:
                     r.ok += 1
-        except (aiohttp.ClientError, TimeoutError):
-            r.errors += 1
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            self.error(type(exc).__name__)
+
+    def error(self, kind: str) -> None:
+        self.report.errors += 1
+        key = kind if len(self.report.errors_by_kind) < 20 or kind in self.report.errors_by_kind else "other"
+        self.report.errors_by_kind[key] = self.report.errors_by_kind.get(key, 0) + 1
 
     async def client(self, i: int) -> None:
         rnd = random.Random(self.cfg.seed * 1_000_003 + i)

@@ -301,6 +301,9 @@ class HttpRun(BaseModel):
     errors: int
     retries: int
     missing_token_ids: int
+    engine_clock_rate_per_min: float | None = Field(
+        None, description="units per minute of the engines' own busy time (mean over engines of summed step "
+        "durations in the window): the rate lag-corrected, valid while the engines are kept busy")
     keep_up: list[float] = Field(description="per engine: modelled step time / modelled busy time")
     wall_s: float
     cpu_s: float = Field(0.0, description="CPU seconds of this process (engines + trainer) during the run")
@@ -354,13 +357,18 @@ async def run_one(name: str, router: Literal["vllm-router", "misat"], policy: Po
                 task = asyncio.create_task(trainer.run())
                 await asyncio.sleep(h.warmup_s / h.time_scale)
                 warm = trainer.snapshot() if h.warmup_s > 0 else None
+                step_warm = [m.step_s for m in fleet.meters]
                 report = await task
+                step_window = [m.step_s - w for m, w in zip(fleet.meters, step_warm, strict=True)]
         win = _window(report, warm, h.time_scale)
+        busy = sum(step_window) / len(step_window)
+        units = report.units_completed - (warm.units_completed if warm else 0)
         return HttpRun(
             name=name, router=router, policy=policy.name.value, ceiling=ceiling, request_limit=request_limit,
             units_completed=report.units_completed, errors=report.errors, retries=report.retries,
             missing_token_ids=report.missing_token_ids, preemptions=fleet.preemptions(),
-            keep_up=[round(m.ratio, 4) for m in fleet.meters], wall_s=time.monotonic() - t0,
+            keep_up=[round(m.ratio, 4) for m in fleet.meters],
+            engine_clock_rate_per_min=60.0 * units / busy if busy > 0 else None, wall_s=time.monotonic() - t0,
             cpu_s=time.process_time() - cpu0, error_examples=report.error_examples, **win,
         )
 
@@ -447,6 +455,7 @@ def run_http_layer(args: argparse.Namespace, s: BenchSettings, console: Console)
         console.print(f"  {run.sample_rate_per_min:.1f}/min hit {100 * (run.prefix_hit_rate or 0):.1f}% "
                       f"TV {run.tv_points if run.tv_points is not None else float('nan'):.2f} "
                       f"preempt {run.preemptions} errors {run.errors} keep-up {min(run.keep_up):.3f} "
+                      f"engine-clock {run.engine_clock_rate_per_min or 0:.1f}/min "
                       f"wall {run.wall_s:.0f}s cpu {run.cpu_s:.0f}s{flag}", highlight=False)
         if limit is None:
             key = f"{policy.name.value}@{ceiling}"

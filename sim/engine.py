@@ -265,7 +265,9 @@ class SimEngine:
             return None
         preempted_before = sched.num_preemptions
         out = sched.schedule()
-        duration = self.step_time.step_duration(out.prefill_tokens, out.decoding_seqs, out.kv_tokens_read)
+        duration = self.step_time.step_duration(
+            out.prefill_tokens, out.decoding_seqs, out.kv_tokens_read, out.prefill_attn_pairs
+        )
         end = start + duration
         for req in out.admitted:
             if req.first_scheduled_time is None:

@@ -114,6 +114,16 @@ QWEN30B_KV_TOKENS: int = int(QWEN30B_KV_BYTES_PER_GPU // QWEN30B_KV_BYTES_PER_TO
 """57.8e9 B / 24,576 B = about 2.35M tokens per replica (KV heads are split across
 the 4 GPUs, so the per-GPU capacity is the replica's capacity)."""
 
+ATTN_PAIR_S_PER_LAYER_HD128: float = 6.4e-12
+"""Measured: seconds per (new token, attended token) pair of prefill attention, one layer,
+8 query heads of 128 dims and 1 KV head on one GPU (Qwen3-30B-A3B's per-GPU share at TP4), bf16,
+PyTorch fused SDPA on an NVIDIA H200: 6.3-6.5 ps at 32K-98K context, i.e. 630-650 TFLOP/s
+(bench/gpu_attention_calibration.py, docs/simulator.md). The H100 has the same dense bf16 peak,
+so the figure is used for the H100 profile too."""
+ATTN_PAIR_S_PER_LAYER_HD256: float = 11.3e-12
+"""Measured likewise for 8 query heads of 256 dims (the Step3.7-like profile's TP8 share):
+11.2-11.6 ps per pair per layer at 32K-98K context, 700-730 TFLOP/s."""
+
 QWEN30B_STEP_TIME = StepTimeModel(
     # Decode at batch touches most of the 128 experts: 61 GB of bf16 weights / 4 GPUs
     # = 15.3 GB per GPU at 3.35 TB/s x 0.65 = 7.0 ms, plus ~1 ms of launches and
@@ -126,6 +136,9 @@ QWEN30B_STEP_TIME = StepTimeModel(
     decode_s_per_seq=60e-6,
     # 24,576 B per token per GPU / (3.35e12 x 0.65) = 11.3 ns per KV token read.
     kv_read_s_per_token=QWEN30B_KV_BYTES_PER_TOKEN_PER_GPU / (H100_HBM_BW * HBM_EFFICIENCY),
+    # 48 layers x 6.4 ps = 0.31 ns per pair: a 40K-token prompt from scratch (8e8 pairs)
+    # spends 0.25 s in attention on top of 40K x 6.7 us = 0.27 s of GEMMs.
+    prefill_attn_s_per_pair=QWEN30B_LAYERS * ATTN_PAIR_S_PER_LAYER_HD128,
 )
 """Roofline step model: 128 decodes over 1M context tokens take
 8 + 7.7 + 11.3 = 27 ms; an 8192-token prefill chunk takes about 63 ms."""
@@ -189,6 +202,8 @@ STEP3_STEP_TIME = StepTimeModel(
     decode_s_per_seq=80e-6,
     # 62,464 B per token / (4.8e12 x 0.65) = 20.0 ns per KV token read.
     kv_read_s_per_token=STEP3_KV_BYTES_PER_TOKEN_PER_GPU / (H200_HBM_BW * HBM_EFFICIENCY),
+    # 61 layers x 11.3 ps = 0.69 ns per (new token, attended token) pair.
+    prefill_attn_s_per_pair=STEP3_LAYERS * ATTN_PAIR_S_PER_LAYER_HD256,
 )
 """Roofline step model: 128 decodes over 1M context tokens take
 15 + 10 + 20 = 45 ms; an 8192-token prefill chunk takes about 172 ms."""

@@ -78,6 +78,8 @@ class ScheduleOutput:
     admitted: list[SimRequest] = field(default_factory=list)
     """Waiting requests that started (or resumed) running in this step."""
     prefill_tokens: int = 0
+    prefill_attn_pairs: int = 0
+    """Sum over prefill chunks of (new tokens x tokens each attends to): attention compute."""
     decoding_seqs: int = 0
     kv_tokens_read: int = 0
     waiting_blocked: bool = False
@@ -290,6 +292,7 @@ class Scheduler:
         lazy = self._lazy
         budget = self.max_num_batched_tokens - len(lazy)
         prefill_tokens = 0
+        attn_pairs = 0
         decoding = 0
         kv_read = 0
 
@@ -337,6 +340,7 @@ class Scheduler:
                 decoding += 1
             else:
                 prefill_tokens += n
+                attn_pairs += n * (after - n) + n * (n + 1) // 2
 
         if not out.preempted:
             waiting = self.waiting
@@ -380,11 +384,13 @@ class Scheduler:
                 out.admitted.append(req)
                 budget -= n
                 prefill_tokens += n
+                attn_pairs += n * computed + n * (n + 1) // 2
                 kv_read += computed + n
             out.waiting_blocked = limits_hit or not waiting
         n_lazy = len(lazy)
         out.lazy_seqs = n_lazy
         out.prefill_tokens = prefill_tokens
+        out.prefill_attn_pairs = attn_pairs
         out.decoding_seqs = decoding + n_lazy
         out.kv_tokens_read = kv_read + self._lazy_c + n_lazy * self.clock.g + n_lazy
         return out

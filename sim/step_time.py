@@ -8,6 +8,7 @@ sequence). We model its duration as a linear function of what the step does::
         + prefill_s_per_token * prefill_tokens     # GEMMs over new prompt tokens
         + decode_s_per_seq    * decoding_seqs      # per-sequence decode work
         + kv_read_s_per_token * kv_tokens_read     # attention reads the KV it attends to
+        + prefill_attn_s_per_pair * attn_pairs     # prefill attention compute: new x attended tokens
 
 - ``fixed_overhead_s``: what a step costs however small: weight streaming
   for a memory-bound decode (an MoE at batch size touches most experts),
@@ -16,6 +17,12 @@ sequence). We model its duration as a linear function of what the step does::
   (about 2 x active parameters FLOPs, over the replica's achieved FLOP/s).
 - ``decode_s_per_seq``: per-sequence cost of a decode (its share of GEMMs,
   sampling, input preparation).
+- ``prefill_attn_s_per_pair``: attention FLOPs of one (new token, attended
+  token) pair, over achieved attention FLOP/s. A chunk of ``n`` new tokens
+  after ``c`` computed ones has ``n * c + n (n + 1) / 2`` pairs, so recomputing
+  a long agentic context costs more than its length times a per-token price:
+  at 40K tokens this term about doubles a 30B-A3B prefill. Measured on an
+  H200 by ``bench/gpu_attention_calibration.py`` (docs/simulator.md).
 - ``kv_read_s_per_token``: bytes of KV per token on one GPU over achieved HBM
   bandwidth; ``kv_tokens_read`` is the sum, over scheduled requests, of the
   context each one attends over (computed tokens plus the new ones).
@@ -42,14 +49,20 @@ class StepTimeModel(BaseModel):
     kv_read_s_per_token: float = Field(
         ge=0.0, description="Seconds per KV token read by attention in the step."
     )
+    prefill_attn_s_per_pair: float = Field(
+        0.0, ge=0.0, description="Seconds per (new prefill token, attended token) pair."
+    )
 
-    def step_duration(self, prefill_tokens: int, decoding_seqs: int, kv_tokens_read: int) -> float:
+    def step_duration(
+        self, prefill_tokens: int, decoding_seqs: int, kv_tokens_read: int, attn_pairs: int = 0
+    ) -> float:
         """Duration of one step that does the given work."""
         return (
             self.fixed_overhead_s
             + self.prefill_s_per_token * prefill_tokens
             + self.decode_s_per_seq * decoding_seqs
             + self.kv_read_s_per_token * kv_tokens_read
+            + self.prefill_attn_s_per_pair * attn_pairs
         )
 
     def decode_run_duration(self, num_steps: int, decoding_seqs: int, kv_tokens_read: int) -> float:
@@ -95,4 +108,9 @@ class StepTimeModel(BaseModel):
         the scaled engine runs the same work ``1 / length_scale`` times faster
         in modelled time, uniformly (see docs/simulator.md).
         """
-        return self.model_copy(update={"kv_read_s_per_token": self.kv_read_s_per_token / length_scale})
+        # A scaled pair stands for 1 / length_scale^2 real pairs, and the scaled engine runs
+        # all work 1 / length_scale times faster: net, divide by length_scale like KV reads.
+        return self.model_copy(update={
+            "kv_read_s_per_token": self.kv_read_s_per_token / length_scale,
+            "prefill_attn_s_per_pair": self.prefill_attn_s_per_pair / length_scale,
+        })

@@ -16,7 +16,8 @@ from .conftest import MODEL, RouterUnderTest, assert_drained, end_all_sessions, 
 
 CAP = 2
 """Sessions per engine (max_sessions_per_engine), small so that caps bind."""
-POLICY = {"footprint": {"bootstrap_tokens": 256}, "admission": {"epoch_s": 0.05, "max_sessions_per_engine": CAP}}
+POLICY = {"footprint": {"bootstrap_tokens": 256},
+          "admission": {"epoch_s": 0.05, "max_sessions_per_engine": CAP, "sessions_before_capacity_known": CAP}}
 
 
 async def turn(http: aiohttp.ClientSession, r: RouterUnderTest, sid: str, n: int, *, end: bool = False) -> int:
@@ -63,7 +64,7 @@ async def test_restart_reattaches_continuations_and_caps_still_hold(sim_engines,
         # Caps count the re-attached sessions: new ones only fill what is left per engine.
         room = sum(max(0, CAP - reattached.get(e.url, 0)) for e in engines)
         fresh = await asyncio.gather(*(turn(http, new, f"new-{i}", 0) for i in range(3)))
-        assert fresh.count(200) == room and fresh.count(503) == 3 - room
+        assert fresh.count(200) == room and fresh.count(503) == 3 - room, (fresh, reattached)
         for e in engines:
             assert policy.engine_sessions.get(e.url, 0) <= max(CAP, reattached.get(e.url, 0))
 
