@@ -296,6 +296,11 @@ def _admission_dump(settings: PolicySettings) -> dict[str, Any]:
     return {_ADMISSION_RENAMES.get(k, k): v for k, v in dumped.items()}
 
 
+ROUTER_DEFAULT_LIMITS: dict[str, str] = {"cpu": "2", "memory": "2Gi"}
+"""Router container limits where the pool sets none (project default: the router is one asyncio
+process; 2 Gi holds the prefix index of a large pool). Explicit limits replace these per key."""
+
+
 class RouterSpec(_Model):
     """The MISA-T router: one pod holding the admission state, behind a Service."""
 

@@ -27,7 +27,7 @@ import yaml
 from misat_router.config import EnginesConfig, RouterConfig, ServiceRef
 from misat_router.policy.settings import ClassSpec, WorkloadMix
 
-from .models import EnginesSpec, ResourceRequirements, RolloutPoolSpec, RouterSpec
+from .models import ROUTER_DEFAULT_LIMITS, EnginesSpec, ResourceRequirements, RolloutPoolSpec, RouterSpec
 from .names import (
     ADMIN_DIR,
     API_VERSION,
@@ -338,9 +338,12 @@ def build_router_deployment(spec: RolloutPoolSpec, ref: PoolRef) -> dict[str, An
         ],
     }
     resources = _resources(r.resources)
-    if resources:
-        container["resources"] = resources
+    # Every router container has limits: the pool's own, else the defaults, key by key.
+    resources["limits"] = ROUTER_DEFAULT_LIMITS | resources.get("limits", {})
+    container["resources"] = resources
     pod_spec: dict[str, Any] = {
+        # The router never calls the Kubernetes API: no service-account token in its pod.
+        "automountServiceAccountToken": False,
         "securityContext": {
             "runAsUser": ROUTER_UID, "runAsGroup": ROUTER_UID, "fsGroup": ROUTER_UID,
             "seccompProfile": {"type": "RuntimeDefault"},

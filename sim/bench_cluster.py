@@ -199,11 +199,14 @@ def run_all(
     jobs: int = 1,
     cache: RunCache | None = None,
     on_done: Callable[[RunRecord, bool], None] | None = None,
+    cached_only: bool = False,
 ) -> list[RunRecord]:
     """Run every spec (deduplicated by key), ``jobs`` at a time; returns records in input order.
 
     A record relabelled for a second spec with the same key (e.g. tuned-once at
-    a swept ceiling) keeps the figures and takes the new spec.
+    a swept ceiling) keeps the figures and takes the new spec. ``cached_only``
+    runs nothing: specs without a cached record are left out of the answer
+    (a report from a suite cut short).
     """
     cache = cache or RunCache(None)
     specs = list(runs)
@@ -220,6 +223,8 @@ def run_all(
                 on_done(hit, True)
         else:
             todo[key] = run
+    if cached_only:
+        todo = {}
     if todo:
         if jobs <= 1:
             for key, run in todo.items():
@@ -243,7 +248,7 @@ def run_all(
                         by_key[futures[fut]] = rec
                         if on_done:
                             on_done(rec, False)
-    return [by_key[run.key(s)].model_copy(update={"spec": run}) for run in specs]
+    return [by_key[k].model_copy(update={"spec": run}) for run in specs if (k := run.key(s)) in by_key]
 
 
 def dump_records(records: list[RunRecord], path: Path) -> None:

@@ -63,7 +63,9 @@ class PolicyRunner:
     # ---- requests -------------------------------------------------------
 
     def is_continuation(self, req: RequestMeta) -> bool:
-        return req.session_id is not None and req.session_key in self.sessions
+        """A later request of a live session, or of one this runner never saw start (turn > 0:
+        it began before a router restart), which must not queue behind new sessions."""
+        return req.session_id is not None and (req.session_key in self.sessions or req.turn > 0)
 
     def submit(self, req: RequestMeta, engines: Engines, now: float) -> Decision:
         """Decide a new request. A HOLD puts it in the ledger; a PLACE is applied at once."""

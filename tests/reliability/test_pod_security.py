@@ -9,7 +9,7 @@ Required (docs/reliability.md, "Pod security and RBAC"): non-root, read-only roo
 filesystem, no privilege escalation, every capability dropped, a seccomp profile, CPU and
 memory limits, no service-account token where the pod does not call the API, and an
 operator ClusterRole without wildcards, without delete, and without read access to
-Secrets beyond ``get``. Known gaps are strict xfails: they flip to failures once fixed.
+Secrets beyond ``get``.
 """
 
 from __future__ import annotations
@@ -81,8 +81,6 @@ def test_router_pod_is_locked_down(pool: Path) -> None:
     assert "--admin-token-file" in " ".join(container["command"] + container.get("args", []))
 
 
-@pytest.mark.xfail(strict=True, reason="gap: the router container gets resources only when the pool spec sets "
-                   "spec.router.resources; there is no default limit")
 def test_router_pod_has_resource_limits_by_default() -> None:
     dep = router_deployment(POOLS[0])
     (container,) = dep["spec"]["template"]["spec"]["containers"]
@@ -90,8 +88,6 @@ def test_router_pod_has_resource_limits_by_default() -> None:
     assert {"cpu", "memory"} <= set(limits)
 
 
-@pytest.mark.xfail(strict=True, reason="gap: the router never calls the Kubernetes API but its pod mounts the "
-                   "default service-account token (automountServiceAccountToken is not false)")
 def test_router_pod_has_no_service_account_token() -> None:
     pod = router_deployment(POOLS[0])["spec"]["template"]["spec"]
     assert pod.get("automountServiceAccountToken") is False

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 
 import aiohttp
-import pytest
 
 from .conftest import MODEL, RouterUnderTest, assert_drained, end_all_sessions, gauges, router_config
 
@@ -72,14 +71,6 @@ async def test_restart_reattaches_continuations_and_caps_still_hold(sim_engines,
         await assert_drained(new, http)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=TimeoutError,
-    reason="PolicyRunner.submit queues a turn > 0 request of a session it does not know behind "
-    "held new sessions of its class (HOLD_QUEUED); is_continuation only looks at runner.sessions. "
-    "Fix belongs in router/policy/runner.py (not this suite's to change): count "
-    "req.turn > 0 with a session id as a continuation.",
-)
 async def test_restart_continuation_not_queued_behind_held_new_sessions(sim_engines, make_router) -> None:
     _, old, cfg = await start_pool(sim_engines, make_router, hold_deadline_s=2.0)
     async with aiohttp.ClientSession() as http:
