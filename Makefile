@@ -12,7 +12,7 @@ $(PY):
 
 # Reinstall when the project's metadata changes.
 $(STAMP): pyproject.toml | $(PY)
-	$(PY) -P -m pip install --quiet -e '.[dev]'
+	$(PY) -P -m pip install --quiet -e '.[dev,bench]'
 	touch $(STAMP)
 
 lint: $(STAMP)
