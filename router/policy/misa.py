@@ -218,28 +218,23 @@ class MisaPolicy(Policy):
             return len(req.prompt_text) / self.settings.prefix.chars_per_token
         return 0.0
 
-    def _cost(self, engine_id: str, snap: EngineSnapshot, uncached: float) -> float:
-        p = self.settings.placement
-        backlog = snap.num_waiting * p.delay_per_waiting_s + self.load.get(engine_id) * p.delay_per_inflight_s
-        return backlog + max(0.0, uncached) / p.prefill_tokens_per_s
-
-    def _cheapest(
+    def _by_cost(
         self, req: RequestMeta, engines: Engines, candidates: list[str]
-    ) -> tuple[str, float, float]:
+    ) -> list[tuple[float, str, float]]:
+        """(cost, engine, expected hit tokens) for every candidate, cheapest first; ties by id."""
         keys = self._keys(req)
         hits = self.index.match(keys, candidates)
         length = self._prompt_len(req)
         p = self.settings.placement
         per_wait, per_flight, rate = p.delay_per_waiting_s, p.delay_per_inflight_s, p.prefill_tokens_per_s
         load = self.load.get
-        best, best_cost, best_hit = candidates[0], math.inf, 0.0
+        ranked = []
         for w in candidates:
-            # Inline _cost (hot loop).
             hit = hits[w]
-            c = engines[w].num_waiting * per_wait + load(w) * per_flight + max(0.0, length - hit) / rate
-            if c < best_cost:
-                best, best_cost, best_hit = w, c, hit
-        return best, best_cost, best_hit
+            cost = engines[w].num_waiting * per_wait + load(w) * per_flight + max(0.0, length - hit) / rate
+            ranked.append((cost, w, hit))
+        ranked.sort()
+        return ranked
 
     def decide(self, req: RequestMeta, engines: Engines, now: float) -> Decision:
         live = self.sessions.get(req.session_key)
@@ -251,7 +246,7 @@ class MisaPolicy(Policy):
         if not healthy:
             return Decision.hold(Reason.HOLD_NO_ENGINE)
         if live is not None or (req.turn > 0 and req.session_id is not None):
-            engine, cost, hit = self._cheapest(req, engines, healthy)
+            cost, engine, hit = self._by_cost(req, engines, healthy)[0]
             return Decision.place(engine, Reason.CONTINUATION_MOVED, {"cost": cost, "hit_tokens": hit})
 
         cls = req.workload_class
@@ -259,7 +254,6 @@ class MisaPolicy(Policy):
         k_ref = self.reference_footprint(demand)
         k_b = self.footprint_of(cls)
         reason = Reason.HOLD_SESSION_CAP
-        admissible: list[str] = []
         if self.budgets_on:
             weights = self.class_weights(demand)
             fast_budgets = not self._min_share and not self._max_share
@@ -278,7 +272,9 @@ class MisaPolicy(Policy):
         per_engine_class = self.engine_class_sessions
         budgets_on = self.budgets_on
         k_b_floor = max(k_b, 1.0)
-        for w in healthy:
+        # Cheapest first, then the first engine that admits: usually the first or second, so a
+        # new session checks caps on one or two engines rather than all of them.
+        for cost, w, hit in self._by_cost(req, engines, healthy):
             snap = engines[w]
             if snap.kv_usage > kv_gate:
                 reason = Reason.HOLD_KV_FULL
@@ -309,11 +305,8 @@ class MisaPolicy(Policy):
                 if live_cls >= max(1, int(budget / k_b_floor)):
                     reason = Reason.HOLD_CLASS_CAP
                     continue
-            admissible.append(w)
-        if not admissible:
-            return Decision.hold(reason, {"k_ref": k_ref, "k_b": k_b})
-        engine, cost, hit = self._cheapest(req, engines, admissible)
-        return Decision.place(engine, Reason.NEW_SESSION, {"cost": cost, "hit_tokens": hit})
+            return Decision.place(w, Reason.NEW_SESSION, {"cost": cost, "hit_tokens": hit})
+        return Decision.hold(reason, {"k_ref": k_ref, "k_b": k_b})
 
     # ---- learning hooks -------------------------------------------------
 
