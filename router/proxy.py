@@ -68,6 +68,11 @@ byte reached the client the request is placed again elsewhere; the engine leaves
 
 READ_FAILURES = (aiohttp.ClientError, TimeoutError)
 
+STALE_CONNECTION = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
+"""A pooled keep-alive connection the engine closed while idle (vLLM's uvicorn does after a few
+seconds) fails the next request this way; it says nothing about the engine's health, so the
+request is sent once more on a fresh connection before the engine is counted as failed."""
+
 
 def _forward_headers(headers: Mapping[str, str]) -> CIMultiDict[str]:
     out: CIMultiDict[str] = CIMultiDict()
@@ -224,16 +229,27 @@ class Forwarder:
         s.metrics.engine_failures.labels(engine).inc()
         s.registry.mark_failed(engine, f"{type(exc).__name__}: {exc}")
 
+    async def _open(self, engine: str) -> aiohttp.ClientResponse:
+        """POST upstream; a connection found closed by the engine is retried once, fresh."""
+        session = self.state.session()
+        for retry in (False, True):
+            try:
+                return await session.post(
+                    engine + self.path,
+                    data=self.parsed.body,
+                    headers=_forward_headers(self.request.headers),
+                    timeout=self._timeout(),
+                )
+            except STALE_CONNECTION:
+                if retry:
+                    raise
+        raise AssertionError("unreachable")
+
     async def _attempt(self, engine: str) -> web.StreamResponse:
         s = self.state
         meta = self.parsed.meta
         try:
-            async with s.session().post(
-                engine + self.path,
-                data=self.parsed.body,
-                headers=_forward_headers(self.request.headers),
-                timeout=self._timeout(),
-            ) as upstream:
+            async with await self._open(engine) as upstream:
                 if upstream.content_type == "text/event-stream":
                     response = await self._relay_stream(engine, upstream)
                 else:
