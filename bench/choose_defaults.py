@@ -32,18 +32,23 @@ def main() -> None:
     ap.add_argument("--ceilings", default="48,96,144,192,288", help="cache_aware trainer ceilings")
     ap.add_argument("--high", type=int, default=1024, help="the ceiling MISA-T runs at")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--footprints", default="peak:50,peak:90,mean:50",
+                    help="MISA-T footprint estimators to run, statistic:percentile,...")
+    ap.add_argument("--no-session-admission", action="store_true", help="skip the session-admission run")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
 
     runs: list[tuple[str, PolicySettings, int]] = []
-    for c in (int(x) for x in args.ceilings.split(",")):
+    for c in (int(x) for x in args.ceilings.split(",") if x):
         runs.append((f"cache-aware @{c}", PolicySettings(name="cache-aware"), c))
-    for stat, pct in [("peak", 50.0), ("peak", 90.0), ("mean", 50.0)]:
+    variants = [(f.split(":")[0], float(f.split(":")[1])) for f in args.footprints.split(",") if f]
+    for stat, pct in variants:
         fp = FootprintSettings(statistic=stat, percentile=pct)
         runs.append((f"misa-t {stat} p{pct:g} @{args.high}", PolicySettings(name="misa-t", footprint=fp),
                      args.high))
-    runs.append((f"session-admission peak p50 @{args.high}", PolicySettings(name="session-admission"),
-                 args.high))
+    if not args.no_session_admission:
+        runs.append((f"session-admission peak p50 @{args.high}", PolicySettings(name="session-admission"),
+                     args.high))
     results = []
     print(f"{'run':34s} {'units/min':>9s} {'hit %':>6s} {'KV %':>5s} {'TV pts':>6s} {'preempt':>7s} "
           f"{'cpu s':>6s}", flush=True)

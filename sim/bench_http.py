@@ -73,8 +73,10 @@ KEEP_UP_WARN: float = 0.9
 (Python could not step them fast enough at the chosen time scale): figures are flagged."""
 
 UNLIMITED_QUEUE: int = 1_000_000
-"""The binary's --queue-size and --queue-timeout-secs for a request limit: a FIFO that never
-refuses or times out, as the paper's swept static concurrency (our ConcurrencyLimited)."""
+"""The binary's --queue-size for a request limit: a FIFO that never refuses, as the paper's swept
+static concurrency (our ConcurrencyLimited). The queue timeout is REQUEST_TIMEOUT_S: measured
+with vllm-router 0.1.17, --queue-timeout-secs 1000000 times every queued request out at once
+(408 within a second of start), so a huge value cannot stand for "never"."""
 
 BINARY_EVICTION_INTERVAL_S: float = CacheAwareSettings().eviction_interval_s
 """The binary's tree-eviction period at real speed; scaled by the time scale."""
@@ -231,7 +233,7 @@ def vllm_router_command(binary: str, urls: list[str], port: int, *, time_scale: 
            "--request-timeout-secs", str(int(REQUEST_TIMEOUT_S))]
     if request_limit is not None:
         cmd += ["--max-concurrent-requests", str(request_limit), "--queue-size", str(UNLIMITED_QUEUE),
-                "--queue-timeout-secs", str(UNLIMITED_QUEUE)]
+                "--queue-timeout-secs", str(int(REQUEST_TIMEOUT_S))]
     return cmd
 
 
