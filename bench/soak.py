@@ -1,7 +1,8 @@
 """Bounded soak of the router: many concurrent streaming sessions against simulated engines.
 
-One process holds everything, on loopback: ``--engines`` simulated vLLM engines
-(``misat_sim``, tiny-cpu geometry with a larger KV cache, fast ``--time-scale``), the real
+On loopback: ``--engines`` simulated vLLM engines, each in its own process as in a
+deployment (``misat_sim``, tiny-cpu geometry with a larger KV cache, fast ``--time-scale``;
+``--in-process-engines`` puts them in this process), and in this process the real
 router app (MISA-T, served with ``misat_router.server.SERVER_OPTIONS``) and ``--sessions``
 client tasks. Each client runs sessions back to back until ``--duration`` ends: an agentic
 session of 2-4 streamed turns, or a single streamed RLVR/RLHF request; every request asks
@@ -31,6 +32,9 @@ import gc
 import json
 import os
 import random
+import signal
+import socket
+import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -61,6 +65,8 @@ class SoakConfig:
     max_tokens: int = 24
     sample_every_s: float = 5.0
     seed: int = 0
+    engine_processes: bool = True
+    """Engines in their own processes (default), so RSS and fds are the router's and clients'."""
 
 
 @dataclass
@@ -142,6 +148,19 @@ async def start_engine(i: int, cfg: SoakConfig) -> web.AppRunner:
     return runner
 
 
+def engine_process(i: int, cfg: SoakConfig) -> tuple[str, subprocess.Popen[bytes]]:
+    """One simulated engine in its own process, as in a deployment, so this process's RSS is
+    the router's (and the clients'), not the engines' caches filling up."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-P", "-m", "misat_sim.server", "--profile", "tiny-cpu", "--port", str(port),
+           "--served-model-name", MODEL, "--seed", str(i), "--time-scale", str(cfg.time_scale),
+           "--num-gpu-blocks", "2048", "--max-num-seqs", "512", "--max-num-batched-tokens", "8192"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    return f"http://127.0.0.1:{port}", proc
+
+
 def port_of(runner: web.AppRunner) -> int:
     site = next(iter(runner.sites))
     return int(site._server.sockets[0].getsockname()[1])  # type: ignore[union-attr]
@@ -218,8 +237,14 @@ async def run_soak(cfg: SoakConfig, log: Any = print) -> SoakReport:
     report = SoakReport(config=asdict(cfg))
     gc.collect()
     report.rss_before_mb, report.fds_before = rss_mb(), open_fds()
-    engines = [await start_engine(i, cfg) for i in range(cfg.engines)]
-    urls = [f"http://127.0.0.1:{port_of(e)}" for e in engines]
+    if cfg.engine_processes:
+        procs = [engine_process(i, cfg) for i in range(cfg.engines)]
+        engines: list[web.AppRunner] = []
+        urls = [u for u, _ in procs]
+    else:
+        procs = []
+        engines = [await start_engine(i, cfg) for i in range(cfg.engines)]
+        urls = [f"http://127.0.0.1:{port_of(e)}" for e in engines]
     app = create_app(router_config(urls), admin_token=None)
     router = web.AppRunner(app, **SERVER_OPTIONS)  # type: ignore[arg-type]
     await router.setup()
@@ -277,6 +302,10 @@ async def run_soak(cfg: SoakConfig, log: Any = print) -> SoakReport:
     await router.cleanup()
     for e in engines:
         await e.cleanup()
+    for _, proc in procs:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=10)
     await asyncio.sleep(0)  # let closed transports release their sockets
     gc.collect()
     report.fds_after_drain = open_fds()
@@ -292,10 +321,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--time-scale", type=float, default=20.0)
     p.add_argument("--max-tokens", type=int, default=24)
     p.add_argument("--json", default=None, help="write the report here")
+    p.add_argument("--in-process-engines", action="store_true",
+                   help="run the engines in this process too (RSS then includes their caches)")
     args = p.parse_args(argv)
     warmup = args.warmup if args.warmup is not None else max(5.0, args.duration * 0.1)
     cfg = SoakConfig(sessions=args.sessions, duration_s=args.duration, warmup_s=warmup, engines=args.engines,
                      time_scale=args.time_scale, max_tokens=args.max_tokens,
+                     engine_processes=not args.in_process_engines,
                      sample_every_s=min(5.0, max(1.0, args.duration / 60)))
     with contextlib.suppress(ImportError):
         import uvloop

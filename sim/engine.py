@@ -32,6 +32,9 @@ from misat_sim.kv_cache import block_hashes_for
 from misat_sim.request import FinishReason, SimRequest
 from misat_sim.scheduler import ScheduleOutput, Scheduler
 
+PROMPT_MEMORY: int = 1 << 16
+"""Distinct recent prompts whose repeat count the engine remembers for sampling seeds."""
+
 
 @dataclass(slots=True)
 class FinishedRequest:
@@ -122,6 +125,8 @@ class SimEngine:
         self.requests: dict[str, SimRequest] = {}
         self.clock = 0.0
         self.counters = EngineCounters()
+        # Insertion-ordered and bounded: a long-running server sees endless distinct prompts,
+        # and only recent repeats (the samples of one GRPO group) need distinct seeds.
         self._prompt_occurrences: dict[int, int] = {}
 
     # --- requests -------------------------------------------------------------
@@ -151,8 +156,11 @@ class SimEngine:
             if greedy:
                 sample_seed = 0
             else:
-                sample_seed = self._prompt_occurrences.get(prompt_hash, 0)
-                self._prompt_occurrences[prompt_hash] = sample_seed + 1
+                occurrences = self._prompt_occurrences
+                sample_seed = occurrences.pop(prompt_hash, 0)
+                occurrences[prompt_hash] = sample_seed + 1
+                if len(occurrences) > PROMPT_MEMORY:
+                    del occurrences[next(iter(occurrences))]
         req = SimRequest(
             request_id,
             prompt,
