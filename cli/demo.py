@@ -84,7 +84,7 @@ def progress_view(policy: str, report: Any, status: dict[str, Any] | None, durat
 async def run_once(args: argparse.Namespace, console: Console, policy: PolicyName | None) -> dict[str, Any]:
     from misat_sim.trainer import Trainer, TrainerConfig
 
-    label = policy.value if policy else "misa-t"
+    label = policy.value if policy else "pool policy"
     async with local_pool(args.filename, profile=args.profile, time_scale=args.time_scale, port=0,
                           policy=policy, log_dir=args.out / "logs" / label) as pool:
         label = pool.config.policy.name.value

@@ -126,7 +126,7 @@ def test_demo_runs_end_to_end_and_writes_its_report(tmp_path: Path) -> None:
     assert code == 0
     result = json.loads((out / "result.json").read_text())
     run = result["runs"][0]
-    assert run["policy"] == "misa-t"
+    assert run["policy"] == "misa"
     assert run["trainer"]["units_completed"] > 0 and run["trainer"]["errors"] == 0
     # Drained: every released unit completed, so the consumed mixture is the released one.
     assert run["trainer"]["units_in_flight"] == 0
