@@ -24,6 +24,9 @@ test: $(STAMP) lint
 demo: $(STAMP)
 	$(VENV)/bin/misat demo
 
+bench: $(STAMP)
+	$(VENV)/bin/misat bench
+
 microbench: $(STAMP)
 	$(PY) bench/policy_microbench.py
 
