@@ -135,13 +135,16 @@ def plot(results: list[dict[str, Any]], path: Path) -> bool:
         return False
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     for r in results:
-        t = r["trainer"]
-        pts = t["throughput_series"]
-        bucket = t["bucket_s"]
-        ax1.plot([p["t_s"] for p in pts], [p["units"] * 60.0 / bucket for p in pts], label=r["policy"], alpha=0.8)
+        # Cumulative completions: per-second buckets of long rollouts are too spiky to read.
+        pts = r["trainer"]["throughput_series"]
+        total, cumulative = 0, []
+        for p in pts:
+            total += p["units"]
+            cumulative.append(total)
+        ax1.plot([p["t_s"] for p in pts], cumulative, label=r["policy"])
     ax1.set_xlabel("wall time (s)")
-    ax1.set_ylabel("completed units per minute")
-    ax1.set_title("Rollout throughput")
+    ax1.set_ylabel("completed rollout units (cumulative)")
+    ax1.set_title("Rollout throughput (slope = sample rate)")
     ax1.legend()
     classes = list(results[0]["trainer"]["target_mixture_pct"])
     width = 0.8 / (len(results) + 1)
