@@ -65,6 +65,8 @@ def load_manifest(path: Path) -> tuple[str, RolloutPoolSpec]:
         doc = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise PoolError(f"{path}: not valid YAML: {exc}") from None
+    except (RecursionError, ValueError) as exc:
+        raise PoolError(f"{path}: not a usable manifest: {type(exc).__name__}: {exc}") from None
     if not isinstance(doc, dict) or doc.get("kind") != "RolloutPool":
         kind = doc.get("kind") if isinstance(doc, dict) else None
         raise PoolError(f"{path}: not a RolloutPool manifest (kind: {kind})")

@@ -215,6 +215,10 @@ def parse_config(text: str | bytes) -> RouterConfig:
         obj = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise ConfigError(f"not valid YAML/JSON: {exc}") from None
+    except RecursionError:
+        raise ConfigError("not a usable config: nested too deeply") from None
+    except ValueError as exc:  # e.g. an integer beyond Python's digit limit
+        raise ConfigError(f"not a usable config: {exc}") from None
     return config_from_obj(obj)
 
 

@@ -69,3 +69,13 @@ def test_service_engines_and_json_file(tmp_path: Path) -> None:
     assert load_config(path) == cfg
     with pytest.raises(ConfigError, match="cannot read"):
         load_config(tmp_path / "missing.yaml")
+
+
+def test_pathological_documents_are_config_errors_not_crashes() -> None:
+    import pytest
+
+    from misat_router.config import ConfigError
+
+    for text in ('{"a": ' * 5000 + "1" + "}" * 5000, "x: " + "9" * 5000, "[" * 3000):
+        with pytest.raises(ConfigError):
+            parse_config(text)
