@@ -66,7 +66,9 @@ class SoakConfig:
     sample_every_s: float = 5.0
     seed: int = 0
     engine_processes: bool = True
-    """Engines in their own processes (default), so RSS and fds are the router's and clients'."""
+    """Engines in their own processes (default), so RSS and fds are not the engines'."""
+    client_process: bool = True
+    """The 1,000 clients in a child process (default), so RSS and fds are the router's alone."""
 
 
 @dataclass
@@ -233,6 +235,22 @@ class Clients:
             self.report.sessions_completed += 1
 
 
+async def run_clients_only(url: str, cfg: SoakConfig) -> dict[str, Any]:
+    """The client side alone (``--client-url``): load ``url`` for the duration, return the counts."""
+    report = SoakReport(config=asdict(cfg))
+    http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=None))
+    clients = Clients(http, url, cfg, report)
+    tasks = [asyncio.create_task(clients.client(i)) for i in range(cfg.sessions)]
+    await asyncio.sleep(cfg.duration_s)  # the load's duration, not a synchronisation
+    clients.stop.set()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await http.close()
+    return {"requests": report.requests, "ok": report.ok, "errors": report.errors,
+            "errors_by_kind": report.errors_by_kind, "broken_streams": report.broken_streams,
+            "sessions_completed": report.sessions_completed,
+            "ttfb_p50_s": quantile(clients.ttfb, 0.5), "ttfb_p99_s": quantile(clients.ttfb, 0.99)}
+
+
 async def run_soak(cfg: SoakConfig, log: Any = print) -> SoakReport:
     report = SoakReport(config=asdict(cfg))
     gc.collect()
@@ -256,7 +274,16 @@ async def run_soak(cfg: SoakConfig, log: Any = print) -> SoakReport:
     http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=None))
     clients = Clients(http, url, cfg, report)
     t0 = time.monotonic()
-    tasks = [asyncio.create_task(clients.client(i)) for i in range(cfg.sessions)]
+    child: subprocess.Popen[bytes] | None = None
+    child_out = f"/tmp/misat-soak-clients-{os.getpid()}.json"
+    if cfg.client_process:
+        child = subprocess.Popen(
+            [sys.executable, "-P", __file__, "--client-url", url, "--sessions", str(cfg.sessions),
+             "--duration", str(cfg.duration_s), "--max-tokens", str(cfg.max_tokens), "--json", child_out],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        tasks: list[asyncio.Task[None]] = []
+    else:
+        tasks = [asyncio.create_task(clients.client(i)) for i in range(cfg.sessions)]
     warm_taken = False
     try:
         while (elapsed := time.monotonic() - t0) < cfg.duration_s:
@@ -276,6 +303,14 @@ async def run_soak(cfg: SoakConfig, log: Any = print) -> SoakReport:
     finally:
         clients.stop.set()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if child is not None:
+            await asyncio.get_running_loop().run_in_executor(None, child.wait)
+    if child is not None:
+        with open(child_out) as f:
+            counts = json.load(f)
+        os.unlink(child_out)
+        for key, value in counts.items():
+            setattr(report, key, value)
     report.wall_s = time.monotonic() - t0
     gc.collect()
     report.rss_end_mb = rss_mb()
@@ -297,7 +332,8 @@ async def run_soak(cfg: SoakConfig, log: Any = print) -> SoakReport:
         text = await resp.text()
     report.overhead_p50_s, report.overhead_count = histogram_quantile(text, "misat_proxy_overhead_seconds", 0.5)
     report.overhead_p99_s, _ = histogram_quantile(text, "misat_proxy_overhead_seconds", 0.99)
-    report.ttfb_p50_s, report.ttfb_p99_s = quantile(clients.ttfb, 0.5), quantile(clients.ttfb, 0.99)
+    if child is None:
+        report.ttfb_p50_s, report.ttfb_p99_s = quantile(clients.ttfb, 0.5), quantile(clients.ttfb, 0.99)
     await http.close()
     await router.cleanup()
     for e in engines:
@@ -323,16 +359,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None, help="write the report here")
     p.add_argument("--in-process-engines", action="store_true",
                    help="run the engines in this process too (RSS then includes their caches)")
+    p.add_argument("--in-process-clients", action="store_true",
+                   help="run the clients in this process too (RSS then includes their connections)")
+    p.add_argument("--client-url", help=argparse.SUPPRESS)  # internal: the client child process
     args = p.parse_args(argv)
     warmup = args.warmup if args.warmup is not None else max(5.0, args.duration * 0.1)
     cfg = SoakConfig(sessions=args.sessions, duration_s=args.duration, warmup_s=warmup, engines=args.engines,
                      time_scale=args.time_scale, max_tokens=args.max_tokens,
                      engine_processes=not args.in_process_engines,
+                     client_process=not args.in_process_clients,
                      sample_every_s=min(5.0, max(1.0, args.duration / 60)))
     with contextlib.suppress(ImportError):
         import uvloop
 
         uvloop.install()
+    if args.client_url:
+        counts = asyncio.run(run_clients_only(args.client_url, cfg))
+        with open(args.json, "w") as f:
+            json.dump(counts, f)
+        return 0
     report = asyncio.run(run_soak(cfg, log=lambda s: print(s, file=sys.stderr)))
     out = asdict(report) | {"passed": report.passed}
     text = json.dumps(out, indent=2)
