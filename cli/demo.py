@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -174,7 +175,8 @@ async def demo(args: argparse.Namespace, console: Console) -> list[dict[str, Any
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    console = Console()
+    # Wide enough for the report table when output is a pipe or a log (rich assumes 80 there).
+    console = Console() if sys.stdout.isatty() else Console(width=120)
     try:
         results = asyncio.run(demo(args, console))
     except PoolError as exc:
