@@ -55,6 +55,10 @@ class LoadBook:
     def get(self, engine_id: str) -> int:
         return self._in_flight.get(engine_id, 0)
 
+    def in_flight_map(self) -> Mapping[str, int]:
+        """Read-only view for hot loops (``.get(engine, 0)``)."""
+        return self._in_flight
+
     @property
     def total(self) -> int:
         return self._total

@@ -227,11 +227,11 @@ class MisaPolicy(Policy):
         length = self._prompt_len(req)
         p = self.settings.placement
         per_wait, per_flight, rate = p.delay_per_waiting_s, p.delay_per_inflight_s, p.prefill_tokens_per_s
-        load = self.load.get
+        load = self.load.in_flight_map().get
         ranked = []
         for w in candidates:
             hit = hits[w]
-            cost = engines[w].num_waiting * per_wait + load(w) * per_flight + max(0.0, length - hit) / rate
+            cost = engines[w].num_waiting * per_wait + load(w, 0) * per_flight + max(0.0, length - hit) / rate
             ranked.append((cost, w, hit))
         ranked.sort()
         return ranked

@@ -18,7 +18,6 @@ per engine. Each engine keeps its keys in LRU order for trimming.
 
 from __future__ import annotations
 
-from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping
 
@@ -51,7 +50,9 @@ class PromptKeys:
 
     __slots__ = ("_computed", "_count", "_source", "_step", "tokens_per_key")
 
-    def __init__(self, source: bytes | str, step: int, count: int, seed: int, tokens_per_key: float) -> None:
+    def __init__(
+        self, source: tuple[int, ...] | str, step: int, count: int, seed: int, tokens_per_key: float
+    ) -> None:
         self._source = source
         self._step = step
         self._count = count
@@ -87,14 +88,13 @@ class PromptKeys:
 
 
 def token_keys(token_ids: tuple[int, ...], block_size: int) -> PromptKeys:
-    """Lazy chained keys of the full blocks of ``token_ids`` (a partial last block has no key)."""
-    n_full = len(token_ids) // block_size
-    # Hashing bytes slices is several times faster than hashing int tuples.
-    try:
-        packed = array("q", token_ids[: n_full * block_size])
-    except OverflowError:  # ids beyond 64 bits cannot be real tokens; key their text instead
-        return text_keys(" ".join(map(str, token_ids)), block_size * 8, float(block_size) / 8)
-    return PromptKeys(packed.tobytes(), block_size * packed.itemsize, n_full, _TOKEN_CHAIN_SEED,
+    """Lazy chained keys of the full blocks of ``token_ids`` (a partial last block has no key).
+
+    Blocks are hashed as tuple slices of the prompt itself: no up-front conversion of the
+    whole prompt, so a decision pays only for the blocks it walks. (Hashes of int tuples are
+    not salted, so keys are the same in every process.)
+    """
+    return PromptKeys(token_ids, block_size, len(token_ids) // block_size, _TOKEN_CHAIN_SEED,
                       float(block_size))
 
 

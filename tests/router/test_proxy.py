@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
 
 import aiohttp
 import openai
@@ -11,10 +12,21 @@ from openai import AsyncOpenAI
 
 from .conftest import MODEL, FakeEngine
 
+_open_clients: list[AsyncOpenAI] = []
+
 
 def client(url: str, **headers: str) -> AsyncOpenAI:
-    return AsyncOpenAI(base_url=url + "/v1", api_key="unused", default_headers=headers,
-                       max_retries=0, timeout=10)
+    c = AsyncOpenAI(base_url=url + "/v1", api_key="unused", default_headers=headers, max_retries=0, timeout=10)
+    _open_clients.append(c)
+    return c
+
+
+@pytest.fixture(autouse=True)
+async def _close_clients() -> AsyncIterator[None]:
+    # An unclosed client's transport is finalised later, printing into another test's output.
+    yield
+    while _open_clients:
+        await _open_clients.pop().close()
 
 
 async def test_completion_body_passes_through_unchanged(engines: list[FakeEngine], make_router) -> None:

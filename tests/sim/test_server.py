@@ -25,8 +25,10 @@ async def server() -> AsyncIterator[RunningServer]:
 
 
 @pytest.fixture
-def client(server: RunningServer) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+async def client(server: RunningServer) -> AsyncIterator[openai.AsyncOpenAI]:
+    c = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+    yield c
+    await c.close()  # an unclosed client's transport is finalised later, in another test
 
 
 async def _wait_for(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
