@@ -97,7 +97,7 @@ class SoakReport:
     ttfb_p99_s: float | None = None
     drained: bool = False
     leftovers: dict[str, Any] = field(default_factory=dict)
-    samples: list[dict[str, float]] = field(default_factory=list)
+    samples: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def passed(self) -> bool:
@@ -115,6 +115,33 @@ def rss_mb() -> float:
 
 def open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
+
+
+TCP_STATES = {"01": "established", "06": "time_wait", "08": "close_wait", "0A": "listen"}
+
+
+def socket_counts(router_port: int, engine_ports: set[int]) -> dict[str, int]:
+    """This process's TCP sockets by side and state: ``client_*`` are connections accepted on
+    the router's port, ``upstream_*`` are the router's connections to an engine."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            link = os.readlink(f"/proc/self/fd/{fd}")
+            if link.startswith("socket:["):
+                inodes.add(link[8:-1])
+    counts: dict[str, int] = {}
+    with open("/proc/net/tcp") as f:
+        next(f)
+        for line in f:
+            parts = line.split()
+            if parts[9] not in inodes:
+                continue
+            local, remote = int(parts[1].split(":")[1], 16), int(parts[2].split(":")[1], 16)
+            side = ("client" if local == router_port else "upstream" if remote in engine_ports
+                    else "other")
+            key = f"{side}_{TCP_STATES.get(parts[3], 'other')}"
+            counts[key] = counts.get(key, 0) + 1
+    return counts
 
 
 def histogram_quantile(text: str, name: str, q: float) -> tuple[float | None, int]:
@@ -268,6 +295,7 @@ async def run_soak(cfg: SoakConfig, log: Any = print) -> SoakReport:
     await router.setup()
     await web.TCPSite(router, "127.0.0.1", 0).start()
     url = f"http://127.0.0.1:{port_of(router)}"
+    engine_ports = {int(u.rsplit(":", 1)[1]) for u in urls}
     state = app[STATE]
     await state.wait_until(lambda: state.registry.healthy_count() == cfg.engines, 30.0)
 
@@ -289,9 +317,11 @@ async def run_soak(cfg: SoakConfig, log: Any = print) -> SoakReport:
         while (elapsed := time.monotonic() - t0) < cfg.duration_s:
             await asyncio.sleep(min(cfg.sample_every_s, cfg.duration_s - elapsed))
             elapsed = time.monotonic() - t0
-            sample = {"t": round(elapsed, 1), "rss_mb": round(rss_mb(), 1), "fds": open_fds(),
-                      "requests": report.requests, "in_flight": len(state.dispatcher.in_flight),
-                      "held": state.runner.held_count()}
+            sample: dict[str, Any] = {
+                "t": round(elapsed, 1), "rss_mb": round(rss_mb(), 1), "fds": open_fds(),
+                "requests": report.requests, "in_flight": len(state.dispatcher.in_flight),
+                "held": state.runner.held_count(),
+            } | socket_counts(port_of(router), engine_ports)
             report.samples.append(sample)
             log(json.dumps(sample))
             if not warm_taken and elapsed >= cfg.warmup_s:

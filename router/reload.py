@@ -56,6 +56,9 @@ class ReloadResult:
     config_hash: str
     changes: tuple[str, ...]
     policy_rebuilt: bool = False
+    requests_in_flight: int = 0
+    """Forwarded requests open when the config applied: they carry on, under the new config."""
+    held_requests: int = 0
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -64,6 +67,8 @@ class ReloadResult:
             "config_hash": self.config_hash,
             "changes": list(self.changes),
             "policy_rebuilt": self.policy_rebuilt,
+            "requests_in_flight": self.requests_in_flight,
+            "held_requests": self.held_requests,
         }
 
 
@@ -98,7 +103,10 @@ def apply_config(state: RouterState, new: RouterConfig, source: str) -> ReloadRe
     old = state.config
     new_hash = new.config_hash()
     if new_hash == state.config_hash:
-        return ReloadResult(False, old.generation, state.config_hash, ())
+        return ReloadResult(
+            False, old.generation, state.config_hash, (), False,
+            len(state.dispatcher.in_flight), state.runner.held_count(),
+        )
     runner = state.runner
     live = set(runner.active_sessions()) | {e.req.workload_class for e in runner.held()}
     check_reload(old, new, live)
@@ -127,7 +135,11 @@ def apply_config(state: RouterState, new: RouterConfig, source: str) -> ReloadRe
     )
     state.dispatcher.kick()
     state.touch()
-    return ReloadResult(True, new.generation, new_hash, changes, rebuilt)
+    # Counted in the same synchronous step as the apply: what the new config found live.
+    return ReloadResult(
+        True, new.generation, new_hash, changes, rebuilt,
+        len(state.dispatcher.in_flight), runner.held_count(),
+    )
 
 
 def refuse(state: RouterState, source: str, reason: str) -> None:

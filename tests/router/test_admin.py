@@ -192,3 +192,25 @@ async def test_pause_resets_prefix_cache_by_config_default(
     async with aiohttp.ClientSession() as http, http.post(h.url + "/admin/pause", headers=AUTH) as r:
         assert set((await r.json())["prefix_cache_reset"]) == {e.url for e in engines}
     assert [e.prefix_resets for e in engines] == [1, 1]
+
+
+async def test_put_config_answer_counts_the_work_it_found_live(
+    engines: list[FakeEngine], make_router
+) -> None:
+    eng = engines[0]
+    eng.mid_stream_gate = asyncio.Event()
+    h = await make_router([eng], admin_token=TOKEN)
+    async with aiohttp.ClientSession() as http:
+        resp = await http.post(h.url + "/v1/completions",
+                               json={"model": MODEL, "prompt": [1], "max_tokens": 3, "stream": True},
+                               headers={"X-Rollout-Class": "rlvr"})
+        await resp.content.readuntil(b"\n\n")  # the stream is open, parked mid-way by the engine
+        doc = config_doc(h, generation=2) | {"hold_deadline_s": 9.0}
+        async with http.put(h.url + "/admin/config", data=json.dumps(doc), headers=AUTH) as r:
+            assert r.status == 200
+            result = await r.json()
+        assert result["applied"] is True and result["changes"] == ["generation", "hold_deadline_s"]
+        assert (result["requests_in_flight"], result["held_requests"]) == (1, 0)
+        eng.mid_stream_gate.set()
+        assert (await resp.read()).endswith(b"data: [DONE]\n\n")
+        resp.release()
