@@ -46,7 +46,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from misat_router.app import STATE, create_app
 from misat_router.config import RouterConfig
-from misat_router.server import SERVER_OPTIONS
+from misat_router.server import LISTEN_BACKLOG, SERVER_OPTIONS
 from misat_sim.config import SimEngineConfig
 from misat_sim.server import create_app as create_sim_app
 
@@ -83,6 +83,8 @@ class SoakReport:
     sessions_completed: int = 0
     rss_before_mb: float = 0.0
     rss_warm_mb: float = 0.0
+    warm_at_s: float = 0.0
+    """When the RSS baseline was taken: ``--warmup`` or later, once every client had connected."""
     rss_max_after_warm_mb: float = 0.0
     rss_end_mb: float = 0.0
     rss_growth: float = 0.0
@@ -210,19 +212,23 @@ def router_config(urls: list[str]) -> RouterConfig:
 
 
 class Clients:
-    def __init__(self, http: aiohttp.ClientSession, url: str, cfg: SoakConfig, report: SoakReport) -> None:
-        self.http, self.url, self.cfg, self.report = http, url, cfg, report
+    """``cfg.sessions`` rollout workers, each on its own keep-alive connection (as a worker with its
+    own HTTP client would be): the router's client-side sockets are then the worker count from the
+    first request on, and whatever else grows in the router is the router's doing."""
+
+    def __init__(self, url: str, cfg: SoakConfig, report: SoakReport) -> None:
+        self.url, self.cfg, self.report = url, cfg, report
         self.stop = asyncio.Event()
         self.ttfb: list[float] = []
 
-    async def request(self, rnd: random.Random, headers: dict[str, str], prompt: list[int]) -> None:
+    async def request(self, http: aiohttp.ClientSession, headers: dict[str, str], prompt: list[int]) -> None:
         body = {"model": MODEL, "prompt": prompt, "max_tokens": self.cfg.max_tokens, "ignore_eos": True,
                 "stream": True, "stream_options": {"include_usage": True}}
         r = self.report
         r.requests += 1
         t0 = time.monotonic()
         try:
-            async with self.http.post(self.url + "/v1/completions", json=body, headers=headers) as resp:
+            async with http.post(self.url + "/v1/completions", json=body, headers=headers) as resp:
                 first = await resp.content.readany()
                 if len(self.ttfb) < 200_000:
                     self.ttfb.append(time.monotonic() - t0)
@@ -236,7 +242,7 @@ class Clients:
                 else:
                     r.ok += 1
         except (aiohttp.ClientError, TimeoutError) as exc:
-            self.error(type(exc).__name__)
+            self.error(f"{type(exc).__name__}: {exc}"[:100])
 
     def error(self, kind: str) -> None:
         self.report.errors += 1
@@ -244,6 +250,11 @@ class Clients:
         self.report.errors_by_kind[key] = self.report.errors_by_kind.get(key, 0) + 1
 
     async def client(self, i: int) -> None:
+        connector = aiohttp.TCPConnector(limit=1)
+        async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as http:
+            await self.sessions(i, http)
+
+    async def sessions(self, i: int, http: aiohttp.ClientSession) -> None:
         rnd = random.Random(self.cfg.seed * 1_000_003 + i)
         n = 0
         while not self.stop.is_set():
@@ -256,22 +267,20 @@ class Clients:
                     headers = {"X-Rollout-Class": "agentic", "X-Session-Id": sid, "X-Session-Turn": str(t),
                                "X-Session-End": "true" if t == turns - 1 else "false"}
                     prompt = prompt + [rnd.randrange(3, 2000) for _ in range(8)]
-                    await self.request(rnd, headers, prompt)
+                    await self.request(http, headers, prompt)
             else:
-                await self.request(rnd, {"X-Rollout-Class": "rlvr" if rnd.random() < 0.67 else "rlhf"}, prompt)
+                await self.request(http, {"X-Rollout-Class": "rlvr" if rnd.random() < 0.67 else "rlhf"}, prompt)
             self.report.sessions_completed += 1
 
 
 async def run_clients_only(url: str, cfg: SoakConfig) -> dict[str, Any]:
     """The client side alone (``--client-url``): load ``url`` for the duration, return the counts."""
     report = SoakReport(config=asdict(cfg))
-    http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=None))
-    clients = Clients(http, url, cfg, report)
+    clients = Clients(url, cfg, report)
     tasks = [asyncio.create_task(clients.client(i)) for i in range(cfg.sessions)]
     await asyncio.sleep(cfg.duration_s)  # the load's duration, not a synchronisation
     clients.stop.set()
     await asyncio.gather(*tasks, return_exceptions=True)
-    await http.close()
     return {"requests": report.requests, "ok": report.ok, "errors": report.errors,
             "errors_by_kind": report.errors_by_kind, "broken_streams": report.broken_streams,
             "sessions_completed": report.sessions_completed,
@@ -293,14 +302,14 @@ async def run_soak(cfg: SoakConfig, log: Any = print) -> SoakReport:
     app = create_app(router_config(urls), admin_token=None)
     router = web.AppRunner(app, **SERVER_OPTIONS)  # type: ignore[arg-type]
     await router.setup()
-    await web.TCPSite(router, "127.0.0.1", 0).start()
+    await web.TCPSite(router, "127.0.0.1", 0, backlog=LISTEN_BACKLOG).start()
     url = f"http://127.0.0.1:{port_of(router)}"
     engine_ports = {int(u.rsplit(":", 1)[1]) for u in urls}
     state = app[STATE]
     await state.wait_until(lambda: state.registry.healthy_count() == cfg.engines, 30.0)
 
-    http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=None))
-    clients = Clients(http, url, cfg, report)
+    http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))  # for /metrics at the end
+    clients = Clients(url, cfg, report)
     t0 = time.monotonic()
     child: subprocess.Popen[bytes] | None = None
     child_out = f"/tmp/misat-soak-clients-{os.getpid()}.json"
@@ -324,9 +333,13 @@ async def run_soak(cfg: SoakConfig, log: Any = print) -> SoakReport:
             } | socket_counts(port_of(router), engine_ports)
             report.samples.append(sample)
             log(json.dumps(sample))
-            if not warm_taken and elapsed >= cfg.warmup_s:
+            # Warm once the warm-up has passed and every worker has its connection (on a starved
+            # machine the client process needs minutes to open 1,000), or at half the run at the latest.
+            connected = sample.get("client_established", 0) >= cfg.sessions
+            if not warm_taken and elapsed >= cfg.warmup_s and (connected or elapsed >= cfg.duration_s / 2):
                 gc.collect()
                 report.rss_warm_mb, report.fds_warm, warm_taken = rss_mb(), open_fds(), True
+                report.warm_at_s = round(elapsed, 1)
             elif warm_taken:
                 report.rss_max_after_warm_mb = max(report.rss_max_after_warm_mb, sample["rss_mb"])
                 report.fds_max_after_warm = max(report.fds_max_after_warm, sample["fds"])

@@ -37,6 +37,7 @@ from misat_operator.router_client import RouterClient, RouterUnavailable
 from misat_router.app import create_app
 from misat_router.config import EnginesConfig, RouterConfig
 from misat_router.policy.settings import PolicyName
+from misat_router.server import LISTEN_BACKLOG, SERVER_OPTIONS
 
 ENGINE_START_TIMEOUT_S = 60.0
 """How long a simulated engine may take to answer /health after its process starts."""
@@ -251,10 +252,10 @@ async def local_pool(
     try:
         config = render_local_config(name, spec, engine_urls, 1, policy=policy, length_scale=length_scale)
         token = secrets.token_urlsafe(24)
-        runner = web.AppRunner(create_app(config, admin_token=token), handler_cancellation=True,
-                               access_log=None)
+        # Served exactly as `misat router` serves it.
+        runner = web.AppRunner(create_app(config, admin_token=token), **SERVER_OPTIONS)  # type: ignore[arg-type]
         await runner.setup()
-        site = web.TCPSite(runner, host, port)
+        site = web.TCPSite(runner, host, port, backlog=LISTEN_BACKLOG)
         try:
             await site.start()
         except OSError as exc:

@@ -31,6 +31,7 @@ import aiohttp
 from aiohttp import web
 
 from .config import RouterConfig
+from .connector import RecentFirstConnector
 from .engines import EngineRegistry, resolve_service
 from .errors import (
     AdminDisabled,
@@ -164,7 +165,7 @@ class Dispatcher:
         tokens.labels(meta.workload_class, "completion").inc(completion.completion_tokens)
         if completion.cached_tokens:
             tokens.labels(meta.workload_class, "cached").inc(completion.cached_tokens)
-        s.sample_meter.observe(s.runner.mixture.total, now)
+        s.sample_meter.observe(s.runner.mixture.total, now, s.config.sample_rate_window_s)
         self.kick()
         s.touch()
 
@@ -172,7 +173,7 @@ class Dispatcher:
         s = self._s
         now = s.clock()
         ended = s.runner.end_session(session_id, now)
-        s.sample_meter.observe(s.runner.mixture.total, now)
+        s.sample_meter.observe(s.runner.mixture.total, now, s.config.sample_rate_window_s)
         self.kick()
         return ended
 
@@ -191,7 +192,7 @@ class Dispatcher:
         s = self._s
         now = s.clock()
         released = s.runner.epoch(s.registry.snapshots(), now)
-        s.sample_meter.observe(s.runner.mixture.total, now)
+        s.sample_meter.observe(s.runner.mixture.total, now, s.config.sample_rate_window_s)
         return self._resolve(released, now)
 
     def _resolve(self, released: list[tuple[RequestMeta, Decision]], now: float) -> int:
@@ -462,7 +463,9 @@ async def handle_metrics(request: web.Request) -> web.Response:
 async def _sessions_ctx(app: web.Application) -> AsyncIterator[None]:
     s = app[STATE]
     s.upstream = aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=s.config.upstream_max_connections or 0),
+        connector=RecentFirstConnector(
+            limit=s.config.upstream_max_connections or 0, keepalive_timeout=s.config.upstream_keepalive_s
+        ),
         auto_decompress=False,
         timeout=aiohttp.ClientTimeout(total=None),
     )

@@ -137,6 +137,14 @@ class RouterConfig(_Frozen):
         description="Pooled upstream connections in total; None: no limit (rollouts keep "
         "thousands of streams open). Read at start-up only.",
     )
+    upstream_keepalive_s: float = Field(
+        2.0, gt=0.0,
+        description="Seconds an idle pooled connection to an engine is kept for reuse (project "
+        "default). Under vLLM's own idle limit (VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s), so the router "
+        "rarely reuses a connection the engine is closing; and short, so the pool follows each "
+        "engine's current concurrency instead of every engine's recent peak (aiohttp's 15 s "
+        "default held about 1.5 sockets per request in flight in the soak). Read at start-up only.",
+    )
     max_placement_attempts: int = Field(
         3, ge=1,
         description="Engines tried for one request whose upstream connection fails before any "

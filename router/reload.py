@@ -19,7 +19,8 @@ it changes:
 - **Engines changed**: static URLs apply at once; a Service is re-resolved at
   once. Removed engines leave rotation; their in-flight requests finish.
 - Timeouts, intervals and limits are read per use, so they apply at once;
-  ``upstream_max_connections`` only at the next start.
+  ``upstream_max_connections`` and ``upstream_keepalive_s`` only at the
+  next start.
 
 Refused, with the old config kept: an invalid document (400, the reason names
 the path), a lower generation than the applied one (409, stale), or a config

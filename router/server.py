@@ -30,6 +30,10 @@ DEFAULT_PORT = 8080
 EXIT_OK = 0
 EXIT_CONFIG = 2
 EXIT_RUNTIME = 1
+LISTEN_BACKLOG = 2048
+"""Pending connections the listening socket queues (uvicorn's default, so vLLM's API server's
+too; the kernel caps it at ``net.core.somaxconn``). aiohttp's own 128 overflowed when 1,000
+rollout workers connected at once in the soak: dropped SYNs, resets, seconds-long connects."""
 SHUTDOWN_GRACE_S = 5.0
 """Extra seconds aiohttp waits for handlers after the app's own drain (``drain_timeout_s``)."""
 SERVER_OPTIONS: dict[str, object] = {
@@ -78,6 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--admin-token-file", type=Path, default=None,
         help="File holding the admin bearer token; without it the admin API answers 403.",
     )
+    p.add_argument(
+        "--backlog", type=int, default=LISTEN_BACKLOG,
+        help=f"Listen queue length (default {LISTEN_BACKLOG}; capped by net.core.somaxconn).",
+    )
     p.add_argument("--log-json", action="store_true", help="Log one JSON object per line.")
     return p
 
@@ -93,7 +101,8 @@ def read_token(path: Path) -> str:
 
 
 async def serve(
-    config: RouterConfig, *, host: str, port: int, admin_token: str | None, config_path: Path
+    config: RouterConfig, *, host: str, port: int, admin_token: str | None, config_path: Path,
+    backlog: int = LISTEN_BACKLOG,
 ) -> None:
     """Serve until a stop signal; raises ``OSError`` when the port cannot be bound."""
     app = create_app(config, admin_token=admin_token, config_path=config_path)
@@ -107,7 +116,7 @@ async def serve(
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, stop.set)
     try:
-        site = web.TCPSite(runner, host, port)
+        site = web.TCPSite(runner, host, port, backlog=backlog)
         await site.start()
         log.info("router listening on %s:%d (generation %d)", host, port, config.generation)
         await stop.wait()
@@ -135,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         with asyncio.Runner(loop_factory=runner_factory) as r:
             r.run(
                 serve(config, host=args.host, port=args.port, admin_token=token,
-                      config_path=args.config)
+                      config_path=args.config, backlog=args.backlog)
             )
     except OSError as exc:
         print(f"misat router: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}",

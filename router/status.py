@@ -23,32 +23,51 @@ from .engines import EngineRegistry
 from .policy.runner import PolicyRunner
 
 SECONDS_PER_MINUTE = 60.0
+SAMPLE_RATE_RESOLUTION_S = 0.1
+"""Completions this close together share one entry of the sample-rate window (a rate shown
+per minute does not need finer time; it bounds the window's memory)."""
 
 
 class SampleRateMeter:
     """Completed rollout units per minute over a sliding window.
 
     Fed the cumulative completed-unit count (``runner.mixture.total``) after
-    anything that may complete a unit; keeps one entry per change.
+    anything that may complete a unit. Completions within ``resolution_s`` of
+    the newest entry share it, and entries older than the window are dropped on
+    every observation: memory is bounded by ``window / resolution`` entries,
+    whatever the rate and whether or not anyone reads ``/status`` (a soak at
+    800 units/s with nobody polling grew by one entry per unit before this).
     """
 
-    def __init__(self, started_at: float) -> None:
+    def __init__(self, started_at: float, resolution_s: float = SAMPLE_RATE_RESOLUTION_S) -> None:
         self._started_at = started_at
-        self._events: deque[tuple[float, int]] = deque()
+        self._resolution_s = resolution_s
+        self._events: deque[list[float]] = deque()  # [first time, units]
         self._last_total = 0
 
-    def observe(self, total: int, now: float) -> None:
+    def observe(self, total: int, now: float, window_s: float) -> None:
         if total > self._last_total:
-            self._events.append((now, total - self._last_total))
+            units = total - self._last_total
+            if self._events and now - self._events[-1][0] < self._resolution_s:
+                self._events[-1][1] += units
+            else:
+                self._events.append([now, units])
         self._last_total = total
+        self._trim(now, window_s)
 
     def per_minute(self, now: float, window_s: float) -> float:
-        while self._events and self._events[0][0] < now - window_s:
-            self._events.popleft()
+        self._trim(now, window_s)
         span = min(window_s, now - self._started_at)
         if span <= 0:
             return 0.0
         return sum(n for _, n in self._events) * SECONDS_PER_MINUTE / span
+
+    def entries(self) -> int:
+        return len(self._events)
+
+    def _trim(self, now: float, window_s: float) -> None:
+        while self._events and self._events[0][0] < now - window_s:
+            self._events.popleft()
 
 
 class EngineStatus(BaseModel):

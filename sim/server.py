@@ -45,6 +45,8 @@ from misat_sim.profiles import PROFILES
 from misat_sim.tokenizer import WordTokenizer, render_chat
 
 SIM_VERSION: str = "0.32.0+misat-sim"
+LISTEN_BACKLOG = 2048
+"""Listen queue length: uvicorn's default, which vLLM's API server runs with."""
 """Reported by ``/version``: the vLLM version whose surface is reproduced."""
 
 
@@ -402,7 +404,7 @@ async def start_server(config: SimEngineConfig, host: str = "127.0.0.1", port: i
     # whose cleanup aborts the request and frees its KV blocks (as vLLM does).
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
+    site = web.TCPSite(runner, host, port, backlog=LISTEN_BACKLOG)
     await site.start()
     sockets = site._server.sockets if site._server is not None else []  # type: ignore[union-attr]
     bound_port = sockets[0].getsockname()[1] if sockets else port

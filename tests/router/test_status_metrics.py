@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import aiohttp
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from misat_router.status import RouterStatus, SampleRateMeter
@@ -96,8 +97,18 @@ async def test_misa_t_places_and_reports_class_budgets(engines: list[FakeEngine]
 
 def test_sample_rate_meter_counts_units_in_window() -> None:
     m = SampleRateMeter(started_at=0.0)
-    m.observe(2, now=10.0)
-    m.observe(5, now=50.0)
+    m.observe(2, now=10.0, window_s=60.0)
+    m.observe(5, now=50.0, window_s=60.0)
     assert m.per_minute(now=60.0, window_s=60.0) == 5.0
     # 70 s later only the second batch (3 units) is inside the 60 s window.
     assert m.per_minute(now=100.0, window_s=60.0) == 3.0
+
+
+def test_sample_rate_meter_memory_is_bounded_without_readers() -> None:
+    # An hour at 1,000 units/s and nobody reading /status: the window holds at most
+    # window / resolution entries, and the rate is still exact.
+    m = SampleRateMeter(started_at=0.0, resolution_s=0.1)
+    for i in range(1, 3_600_001, 250):  # 250 units every 0.25 s
+        m.observe(i + 249, now=i / 1000, window_s=60.0)
+        assert m.entries() <= 601
+    assert m.per_minute(now=3600.0, window_s=60.0) == pytest.approx(60_000, rel=0.01)
