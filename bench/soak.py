@@ -37,6 +37,7 @@ import socket
 import subprocess
 import sys
 import time
+import tracemalloc
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -48,11 +49,14 @@ from misat_router.app import STATE, create_app
 from misat_router.config import RouterConfig
 from misat_router.server import LISTEN_BACKLOG, SERVER_OPTIONS
 from misat_sim.config import SimEngineConfig
+from misat_sim.server import LISTEN_BACKLOG as SIM_LISTEN_BACKLOG
 from misat_sim.server import create_app as create_sim_app
 
 MODEL = "soak"
 RSS_GROWTH_LIMIT = 0.10
 """The issue's bound: RSS after warm-up grows less than 10 %."""
+INDEX_FULL_FRACTION = 0.99
+"""The prefix index counts as filled (warm) at this fraction of its bound."""
 
 
 @dataclass(frozen=True)
@@ -69,6 +73,11 @@ class SoakConfig:
     """Engines in their own processes (default), so RSS and fds are not the engines'."""
     client_process: bool = True
     """The 1,000 clients in a child process (default), so RSS and fds are the router's alone."""
+    loop: str = "uvloop"
+    """The event loop the router runs on (recorded; chosen with ``--loop``)."""
+    tracemalloc_top: int = 0
+    """When > 0: trace Python allocations and report the lines whose memory grew most between
+    warm-up and the end (slows the router down; for finding what grows, not for figures)."""
 
 
 @dataclass
@@ -84,7 +93,8 @@ class SoakReport:
     rss_before_mb: float = 0.0
     rss_warm_mb: float = 0.0
     warm_at_s: float = 0.0
-    """When the RSS baseline was taken: ``--warmup`` or later, once every client had connected."""
+    """When the RSS baseline was taken: ``--warmup`` or later, once every client had connected
+    and the prefix index had filled to its bound."""
     rss_max_after_warm_mb: float = 0.0
     rss_end_mb: float = 0.0
     rss_growth: float = 0.0
@@ -100,6 +110,8 @@ class SoakReport:
     drained: bool = False
     leftovers: dict[str, Any] = field(default_factory=dict)
     samples: list[dict[str, Any]] = field(default_factory=list)
+    heap_growth: list[str] = field(default_factory=list)
+    """With ``tracemalloc_top``: traced Python memory at warm-up and at the end, then the top lines."""
 
     @property
     def passed(self) -> bool:
@@ -120,6 +132,14 @@ def open_fds() -> int:
 
 
 TCP_STATES = {"01": "established", "06": "time_wait", "08": "close_wait", "0A": "listen"}
+
+
+def index_fill(state: Any) -> dict[str, int]:
+    """Keys in the policy's prefix index and its bound, summed over engines (0/0 without one)."""
+    index = getattr(state.runner.policy, "index", None)
+    if index is None or not hasattr(index, "limits"):
+        return {"index_keys": 0, "index_limit": 0}
+    return {"index_keys": sum(index.sizes().values()), "index_limit": sum(index.limits().values())}
 
 
 def socket_counts(router_port: int, engine_ports: set[int]) -> dict[str, int]:
@@ -175,7 +195,7 @@ async def start_engine(i: int, cfg: SoakConfig) -> web.AppRunner:
                           num_gpu_blocks=2048, max_num_seqs=512, max_num_batched_tokens=8192, engine_index=0)
     runner = web.AppRunner(create_sim_app(sim), handler_cancellation=True, access_log=None)
     await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    await web.TCPSite(runner, "127.0.0.1", 0, backlog=SIM_LISTEN_BACKLOG).start()
     return runner
 
 
@@ -289,6 +309,9 @@ async def run_clients_only(url: str, cfg: SoakConfig) -> dict[str, Any]:
 
 async def run_soak(cfg: SoakConfig, log: Any = print) -> SoakReport:
     report = SoakReport(config=asdict(cfg))
+    if cfg.tracemalloc_top:
+        tracemalloc.start()
+    warm_snapshot: tracemalloc.Snapshot | None = None
     gc.collect()
     report.rss_before_mb, report.fds_before = rss_mb(), open_fds()
     if cfg.engine_processes:
@@ -330,14 +353,20 @@ async def run_soak(cfg: SoakConfig, log: Any = print) -> SoakReport:
                 "t": round(elapsed, 1), "rss_mb": round(rss_mb(), 1), "fds": open_fds(),
                 "requests": report.requests, "in_flight": len(state.dispatcher.in_flight),
                 "held": state.runner.held_count(),
-            } | socket_counts(port_of(router), engine_ports)
+            } | socket_counts(port_of(router), engine_ports) | index_fill(state)
             report.samples.append(sample)
             log(json.dumps(sample))
-            # Warm once the warm-up has passed and every worker has its connection (on a starved
-            # machine the client process needs minutes to open 1,000), or at half the run at the latest.
+            # Warm once the warm-up has passed, every worker has its connection (on a starved
+            # machine the client process needs minutes to open 1,000) and the prefix index has
+            # filled to its bound (a bounded cache filling is warm-up, not growth); at half the
+            # run at the latest.
             connected = sample.get("client_established", 0) >= cfg.sessions
-            if not warm_taken and elapsed >= cfg.warmup_s and (connected or elapsed >= cfg.duration_s / 2):
+            index_full = sample["index_keys"] >= INDEX_FULL_FRACTION * sample["index_limit"]
+            steady = connected and index_full
+            if not warm_taken and elapsed >= cfg.warmup_s and (steady or elapsed >= cfg.duration_s / 2):
                 gc.collect()
+                if cfg.tracemalloc_top:
+                    warm_snapshot = tracemalloc.take_snapshot()
                 report.rss_warm_mb, report.fds_warm, warm_taken = rss_mb(), open_fds(), True
                 report.warm_at_s = round(elapsed, 1)
             elif warm_taken:
@@ -357,6 +386,12 @@ async def run_soak(cfg: SoakConfig, log: Any = print) -> SoakReport:
     report.wall_s = time.monotonic() - t0
     gc.collect()
     report.rss_end_mb = rss_mb()
+    if cfg.tracemalloc_top and warm_snapshot is not None:
+        end_snapshot = tracemalloc.take_snapshot()
+        report.heap_growth = [
+            f"traced at warm-up {sum(st.size for st in warm_snapshot.statistics('filename')) / 1e6:.1f} MB, "
+            f"at the end {sum(st.size for st in end_snapshot.statistics('filename')) / 1e6:.1f} MB"
+        ] + [str(d) for d in end_snapshot.compare_to(warm_snapshot, "lineno")[: cfg.tracemalloc_top]]
     if warm_taken:
         report.rss_max_after_warm_mb = max(report.rss_max_after_warm_mb, report.rss_end_mb)
         report.rss_growth = report.rss_max_after_warm_mb / report.rss_warm_mb - 1.0
@@ -404,6 +439,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="run the engines in this process too (RSS then includes their caches)")
     p.add_argument("--in-process-clients", action="store_true",
                    help="run the clients in this process too (RSS then includes their connections)")
+    p.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop",
+                   help="the router's event loop (default uvloop, as `misat router` uses when installed)")
+    p.add_argument("--tracemalloc", type=int, default=0, metavar="N",
+                   help="report the N source lines whose traced memory grew most after warm-up")
     p.add_argument("--client-url", help=argparse.SUPPRESS)  # internal: the client child process
     args = p.parse_args(argv)
     warmup = args.warmup if args.warmup is not None else max(5.0, args.duration * 0.1)
@@ -411,11 +450,13 @@ def main(argv: list[str] | None = None) -> int:
                      time_scale=args.time_scale, max_tokens=args.max_tokens,
                      engine_processes=not args.in_process_engines,
                      client_process=not args.in_process_clients,
-                     sample_every_s=min(5.0, max(1.0, args.duration / 60)))
-    with contextlib.suppress(ImportError):
-        import uvloop
+                     sample_every_s=min(5.0, max(1.0, args.duration / 60)), tracemalloc_top=args.tracemalloc,
+                     loop=args.loop)
+    if args.loop == "uvloop" or args.client_url:
+        with contextlib.suppress(ImportError):
+            import uvloop
 
-        uvloop.install()
+            uvloop.install()
     if args.client_url:
         counts = asyncio.run(run_clients_only(args.client_url, cfg))
         with open(args.json, "w") as f:

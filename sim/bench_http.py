@@ -54,6 +54,7 @@ from misat_sim.cluster import mix_for
 from misat_sim.config import SimEngineConfig
 from misat_sim.engine import SimEngine, StepResult
 from misat_sim.report import TrainerReport, tv_distance_points
+from misat_sim.server import LISTEN_BACKLOG as SIM_LISTEN_BACKLOG
 from misat_sim.server import STATE, create_app
 from misat_sim.trainer import Trainer, TrainerConfig
 from misat_sim.workload import WorkloadSpec
@@ -211,7 +212,7 @@ async def engine_fleet(cfg: SimEngineConfig, n: int) -> AsyncIterator[Fleet]:
             runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
             await runner.setup()
             port = free_port()
-            await web.TCPSite(runner, "127.0.0.1", port).start()
+            await web.TCPSite(runner, "127.0.0.1", port, backlog=SIM_LISTEN_BACKLOG).start()
             fleet.runners.append(runner)
             fleet.urls.append(f"http://127.0.0.1:{port}")
         yield fleet

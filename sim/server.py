@@ -465,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     app = create_app(config)
     web.run_app(app, host=args.host, port=args.port, handler_cancellation=True, access_log=None,
-                print=lambda *_: None)  # fmt: skip
+                backlog=LISTEN_BACKLOG, print=lambda *_: None)  # fmt: skip
     return 0
 
 

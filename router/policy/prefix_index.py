@@ -237,3 +237,7 @@ class PrefixIndex:
 
     def sizes(self) -> Mapping[str, int]:
         return {e: len(lru) for e, lru in self._lru.items()}
+
+    def limits(self) -> Mapping[str, int]:
+        """Each engine's bound on keys (engines without a ``set_limit`` yet: the settings' cap)."""
+        return {e: self._limit.get(e, self.settings.max_blocks_per_engine) for e in self._lru}

@@ -8,6 +8,7 @@ operator's own tests; see docs/reliability.md.)
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import aiohttp
@@ -77,6 +78,15 @@ async def test_invalid_push_is_refused_and_the_old_config_kept(
     assert refused == [1.0]
 
 
+def replace_file(path: Path, data: bytes) -> None:
+    """Swap in new content atomically, as a ConfigMap update does: a plain write truncates
+    first, and a watcher polling every 20 ms may read the empty file in between (one more
+    refusal than the test counts)."""
+    tmp = path.with_name(path.name + ".new")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
 async def test_watched_file_turning_to_garbage_keeps_the_old_config(
     misbehaving, make_router, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -90,19 +100,19 @@ async def test_watched_file_turning_to_garbage_keeps_the_old_config(
     async with aiohttp.ClientSession() as http:
         with caplog.at_level(logging.WARNING, logger="misat_router"):
             for i, content in enumerate(garbage, start=1):
-                path.write_bytes(content)
+                replace_file(path, content)
                 await r.wait(lambda i=i: r.state.metrics.reloads.labels("file", "refused")._value.get() == i)
                 assert r.state.config_hash == before
                 await serves(http, r)
             # The file disappears (unmounted, mid-swap): nothing changes, nothing is refused.
             path.unlink()
-            path.write_bytes(garbage[0])  # an old garbage again is a new content for the watcher
+            replace_file(path, garbage[0])  # an old garbage again is a new content for the watcher
             await r.wait(lambda: r.state.metrics.reloads.labels("file", "refused")._value.get() == 6)
         refusals = [rec for rec in caplog.records if "refused" in rec.getMessage()]
         assert len(refusals) == 6  # one line per bad content, not one per poll
         # A good file with a newer generation is applied; the router never stopped serving.
         good = cfg.model_dump(mode="json") | {"generation": 2}
-        path.write_text(yaml.safe_dump(good))
+        replace_file(path, yaml.safe_dump(good).encode())
         await r.wait(lambda: r.state.config.generation == 2)
         assert r.state.last_reload_error is None
         await serves(http, r)
