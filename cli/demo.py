@@ -23,6 +23,7 @@ from rich.live import Live
 from rich.table import Table
 
 from misat_router.policy.settings import PolicyName
+from misat_router.server import event_loop_factory
 
 from .localpool import LocalPool, PoolError, local_pool
 
@@ -178,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     # Wide enough for the report table when output is a pipe or a log (rich assumes 80 there).
     console = Console() if sys.stdout.isatty() else Console(width=120)
     try:
-        results = asyncio.run(demo(args, console))
+        with asyncio.Runner(loop_factory=event_loop_factory()) as runner:  # the router's loop, as deployed
+            results = runner.run(demo(args, console))
     except PoolError as exc:
         console.print(f"[bold red]misat demo:[/] {exc}")
         return 1

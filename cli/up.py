@@ -17,6 +17,7 @@ from pathlib import Path
 from rich.console import Console
 
 from misat_router.policy.settings import PolicyName
+from misat_router.server import event_loop_factory
 
 from .localpool import PoolError, local_pool, watch_manifest
 
@@ -63,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     console = Console(stderr=True, soft_wrap=True)
     try:
-        asyncio.run(serve(args, console))
+        with asyncio.Runner(loop_factory=event_loop_factory()) as runner:  # the router's loop, as deployed
+            runner.run(serve(args, console))
     except PoolError as exc:
         console.print(f"[bold red]misat up:[/] {exc}")
         return 1

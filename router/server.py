@@ -2,8 +2,9 @@
 
 ``main(argv)`` returns an exit code instead of raising, so a bad config or a
 taken port is one clear line on stderr and a non-zero exit, never a traceback.
-uvloop is used when importable. The config file given with ``--config`` is
-also watched for changes (a mounted ConfigMap reloads in place).
+The event loop is uvloop (a dependency wherever it builds; without it, a warning
+and the stdlib loop). The config file given with ``--config`` is also watched
+for changes (a mounted ConfigMap reloads in place).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import logging
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from aiohttp import web
@@ -71,6 +73,18 @@ def _setup_logging(as_json: bool) -> None:
     root.handlers[:] = [handler]
     root.setLevel(logging.INFO)
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+
+
+def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's loop factory for ``asyncio.Runner``; None (the stdlib loop) with a warning where
+    uvloop is not installed (it is a dependency wherever it builds)."""
+    try:
+        import uvloop
+    except ImportError:
+        log.warning("uvloop is not installed: running on the standard asyncio loop, whose "
+                    "RSS grows under many connections (docs/reliability.md)")
+        return None
+    return uvloop.new_event_loop
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -135,13 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"misat router: invalid config: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     try:
-        import uvloop
-
-        runner_factory = uvloop.new_event_loop
-    except ImportError:
-        runner_factory = None
-    try:
-        with asyncio.Runner(loop_factory=runner_factory) as r:
+        with asyncio.Runner(loop_factory=event_loop_factory()) as r:
             r.run(
                 serve(config, host=args.host, port=args.port, admin_token=token,
                       config_path=args.config, backlog=args.backlog)
