@@ -47,6 +47,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from misat_router.app import STATE, create_app
 from misat_router.config import RouterConfig
+from misat_router.memory import DEFAULT_MMAP_THRESHOLD_BYTES, pin_mmap_threshold
 from misat_router.server import LISTEN_BACKLOG, SERVER_OPTIONS
 from misat_sim.config import SimEngineConfig
 from misat_sim.server import LISTEN_BACKLOG as SIM_LISTEN_BACKLOG
@@ -75,6 +76,8 @@ class SoakConfig:
     """The 1,000 clients in a child process (default), so RSS and fds are the router's alone."""
     loop: str = "uvloop"
     """The event loop the router runs on (recorded; chosen with ``--loop``)."""
+    mmap_threshold: int = DEFAULT_MMAP_THRESHOLD_BYTES
+    """glibc mmap threshold pinned in the router's process, as ``misat router`` does (0: not pinned)."""
     tracemalloc_top: int = 0
     """When > 0: trace Python allocations and report the lines whose memory grew most between
     warm-up and the end (slows the router down; for finding what grows, not for figures)."""
@@ -441,6 +444,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="run the clients in this process too (RSS then includes their connections)")
     p.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop",
                    help="the router's event loop (default uvloop, as `misat router` uses when installed)")
+    p.add_argument("--malloc-mmap-threshold", type=int, default=DEFAULT_MMAP_THRESHOLD_BYTES, metavar="BYTES",
+                   help="as `misat router --malloc-mmap-threshold` (0: glibc's drifting default)")
     p.add_argument("--tracemalloc", type=int, default=0, metavar="N",
                    help="report the N source lines whose traced memory grew most after warm-up")
     p.add_argument("--client-url", help=argparse.SUPPRESS)  # internal: the client child process
@@ -451,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
                      engine_processes=not args.in_process_engines,
                      client_process=not args.in_process_clients,
                      sample_every_s=min(5.0, max(1.0, args.duration / 60)), tracemalloc_top=args.tracemalloc,
-                     loop=args.loop)
+                     loop=args.loop, mmap_threshold=args.malloc_mmap_threshold)
     if args.loop == "uvloop" or args.client_url:
         with contextlib.suppress(ImportError):
             import uvloop
@@ -462,6 +467,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as f:
             json.dump(counts, f)
         return 0
+    pin_mmap_threshold(cfg.mmap_threshold)  # the router's process, as `misat router` does
     report = asyncio.run(run_soak(cfg, log=lambda s: print(s, file=sys.stderr)))
     out = asdict(report) | {"passed": report.passed}
     text = json.dumps(out, indent=2)

@@ -22,6 +22,7 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 
+from misat_router.memory import DEFAULT_MMAP_THRESHOLD_BYTES, pin_mmap_threshold
 from misat_router.policy.settings import PolicyName
 from misat_router.server import event_loop_factory
 
@@ -178,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # Wide enough for the report table when output is a pipe or a log (rich assumes 80 there).
     console = Console() if sys.stdout.isatty() else Console(width=120)
+    pin_mmap_threshold(DEFAULT_MMAP_THRESHOLD_BYTES)  # as `misat router` does
     try:
         with asyncio.Runner(loop_factory=event_loop_factory()) as runner:  # the router's loop, as deployed
             results = runner.run(demo(args, console))

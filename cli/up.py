@@ -16,6 +16,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from misat_router.memory import DEFAULT_MMAP_THRESHOLD_BYTES, pin_mmap_threshold
 from misat_router.policy.settings import PolicyName
 from misat_router.server import event_loop_factory
 
@@ -63,6 +64,7 @@ async def serve(args: argparse.Namespace, console: Console) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     console = Console(stderr=True, soft_wrap=True)
+    pin_mmap_threshold(DEFAULT_MMAP_THRESHOLD_BYTES)  # as `misat router` does
     try:
         with asyncio.Runner(loop_factory=event_loop_factory()) as runner:  # the router's loop, as deployed
             runner.run(serve(args, console))

@@ -24,6 +24,7 @@ from aiohttp import web
 
 from .app import create_app
 from .config import ConfigError, RouterConfig, load_config
+from .memory import DEFAULT_MMAP_THRESHOLD_BYTES, pin_mmap_threshold
 
 log = logging.getLogger("misat_router")
 
@@ -100,6 +101,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--backlog", type=int, default=LISTEN_BACKLOG,
         help=f"Listen queue length (default {LISTEN_BACKLOG}; capped by net.core.somaxconn).",
     )
+    p.add_argument(
+        "--malloc-mmap-threshold", type=int, default=DEFAULT_MMAP_THRESHOLD_BYTES, metavar="BYTES",
+        help="Pin glibc's mmap threshold so large transient blocks never fragment the heap "
+        f"(default {DEFAULT_MMAP_THRESHOLD_BYTES}; 0: glibc's drifting default; see docs/reliability.md).",
+    )
     p.add_argument("--log-json", action="store_true", help="Log one JSON object per line.")
     return p
 
@@ -142,6 +148,7 @@ async def serve(
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _setup_logging(args.log_json)
+    pin_mmap_threshold(args.malloc_mmap_threshold)
     try:
         config = load_config(args.config)
         token = read_token(args.admin_token_file) if args.admin_token_file else None
