@@ -17,6 +17,7 @@ import json
 import random
 import re
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -350,9 +351,16 @@ async def test_fidelity_oversubscribed_trace_preempts_and_queues(
 
 
 @pytest.mark.e2e
-async def test_fidelity_thrash_trace_collapses_the_hit_rate(vllm_base_urls: list[str]) -> None:
+async def test_fidelity_thrash_trace_collapses_the_hit_rate(
+    vllm_base_urls: list[str], record_figure: Callable[[str, object], None]
+) -> None:
     result = await run_trace(vllm_base_urls[1], thrash_trace())
+    record_figure("preemptions", result.preemptions)
+    record_figure("hit_rate", result.hit_rate)
     assert result.errors == 0
-    assert result.preemptions > 0
+    # Preemptions on this trace depend on how arrivals 20 ms apart meet the server's steps:
+    # 9-12 in five runs (docs/fidelity.md), 0 in one cold-environment run. A figure, not a
+    # condition; what the trace must always show is the queue and the collapse.
+    assert result.latency_means_s["vllm:request_queue_time_seconds"] > 0.2
     assert result.hit_rate is not None
     assert result.hit_rate < FITS_EXPECTED_HIT_RATE - 0.3
