@@ -149,6 +149,7 @@ class Dispatcher:
     def _track(self, meta: RequestMeta, engine_id: str, now: float) -> None:
         self.in_flight[meta.request_id] = InFlight(meta, engine_id, now)
         self._idle.clear()
+        self._s.touch()  # in flight changed: observable through wait_until, as a finish is
 
     def finish(self, meta: RequestMeta, engine_id: str, completion: Completion, outcome: str) -> None:
         """A placed request ended; accounting is released and held work re-checked."""

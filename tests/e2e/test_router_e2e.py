@@ -36,7 +36,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from misat_router.app import create_app
+from misat_router.app import STATE, create_app
 from misat_router.config import RouterConfig
 from misat_sim.fidelity import M_PREEMPTIONS, M_PREFIX_HITS, M_PREFIX_QUERIES, parse_metrics
 from misat_sim.real_vllm import CPU_BLOCK_SIZE, RunningServer
@@ -584,20 +584,19 @@ async def test_hot_reload_of_admission_settings_keeps_open_streams(
 
         tasks = [asyncio.create_task(stream(i)) for i in range(RELOAD_STREAMS)]
         try:
-            before: dict[str, Any] = {}
-
-            async def streams_open() -> bool:
-                nonlocal before
-                before = await router.status()
-                return before["requests_in_flight"] >= 2 and finished == 0
-
-            async def brief() -> str:
-                return f"{first_chunks} streams answering, {finished} finished; {await _status_brief(router)}"
 
             # Streams are open once the router has forwarded them (the client may read late on a
             # loaded machine, so the router's own count is the truth); the rest may be held.
-            # None finished yet: the first wave has most of its tokens still to come.
-            await poll_until(streams_open, 60.0, brief)
+            # Woken by the router itself the moment the second one is forwarded (a 0.1 s poll
+            # missed whole waves of streams on a fast machine), so the reload lands with most of
+            # their tokens still to come.
+            state = router.app[STATE]
+            try:
+                await state.wait_until(lambda: len(state.dispatcher.in_flight) >= 2 and finished == 0, 60.0)
+            except TimeoutError:
+                pytest.fail(f"streams not open: {first_chunks} answering, {finished} finished; "
+                            f"{await _status_brief(router)}", pytrace=False)
+            before = {"requests_in_flight": len(state.dispatcher.in_flight), "held_requests": state.runner.held_count()}
 
             new = config.model_dump(mode="json")
             new["generation"] = config.generation + 1
