@@ -333,20 +333,25 @@ async def test_fidelity_fits_trace_hits_every_shared_full_block(vllm_base_urls: 
 
 @pytest.mark.e2e
 async def test_fidelity_oversubscribed_trace_preempts_and_queues(
-    vllm_base_urls: list[str],
+    vllm_base_urls: list[str], record_figure: Callable[[str, object], None]
 ) -> None:
     result = await run_trace(vllm_base_urls[1], oversubscribed_trace())
+    queue_s = result.latency_means_s["vllm:request_queue_time_seconds"]
+    for name, value in [("preemptions", result.preemptions), ("queue_time_mean_s", queue_s),
+                        ("peak_waiting", result.peak_waiting), ("peak_kv_usage", result.peak_kv_usage)]:
+        record_figure(name, value)
     assert result.errors == 0
     assert all(r.completion_tokens == 400 for r in result.records)
-    assert result.preemptions > 0
     assert result.counters["vllm:request_success_total"] == 16
-    # Half the requests cannot even start before others finish: queueing in seconds.
-    assert result.latency_means_s["vllm:request_queue_time_seconds"] > 0.2
+    # 16 x 500 tokens cannot all live in 2,048: vLLM preempts (admitted early, grown late) or
+    # makes requests queue (KV already full at arrival), in proportions that depend on how the
+    # 10 ms arrivals meet its steps (one run queued 0.2 s+ on average, another admitted all 16
+    # at once and preempted); the pressure must show as one or the other.
+    assert result.preemptions > 0 or queue_s > 0.2
     assert result.counters[M_PREFIX_QUERIES] >= result.counters[M_PREFIX_HITS]
     # The gauges are sampled; a busy API server can answer a scrape seconds late,
-    # so the peaks are checked only when the sampling was fine enough to see them.
+    # so the KV peak is checked only when the sampling was fine enough to see it.
     if result.max_scrape_gap_s < 1.0:
-        assert result.peak_waiting >= 4
         assert result.peak_kv_usage > 0.9
 
 
