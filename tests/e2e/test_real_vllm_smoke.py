@@ -332,7 +332,7 @@ async def test_fidelity_fits_trace_hits_every_shared_full_block(vllm_base_urls: 
 
 
 @pytest.mark.e2e
-async def test_fidelity_oversubscribed_trace_preempts_and_queues(
+async def test_fidelity_oversubscribed_trace_completes_and_reports_its_pressure(
     vllm_base_urls: list[str], record_figure: Callable[[str, object], None]
 ) -> None:
     result = await run_trace(vllm_base_urls[1], oversubscribed_trace())
@@ -343,16 +343,13 @@ async def test_fidelity_oversubscribed_trace_preempts_and_queues(
     assert result.errors == 0
     assert all(r.completion_tokens == 400 for r in result.records)
     assert result.counters["vllm:request_success_total"] == 16
-    # 16 x 500 tokens cannot all live in 2,048: vLLM preempts (admitted early, grown late) or
-    # makes requests queue (KV already full at arrival), in proportions that depend on how the
-    # 10 ms arrivals meet its steps (one run queued 0.2 s+ on average, another admitted all 16
-    # at once and preempted); the pressure must show as one or the other.
-    assert result.preemptions > 0 or queue_s > 0.2
     assert result.counters[M_PREFIX_QUERIES] >= result.counters[M_PREFIX_HITS]
-    # The gauges are sampled; a busy API server can answer a scrape seconds late,
-    # so the KV peak is checked only when the sampling was fine enough to see it.
-    if result.max_scrape_gap_s < 1.0:
-        assert result.peak_kv_usage > 0.9
+    # 16 x 500 tokens cannot all live in 2,048 tokens of KV when they overlap, but whether they
+    # overlap is up to the shared 2-core machine: runs saw 9-20 preemptions and seconds of
+    # queueing, and others saw none of either (mean queue time 15 us: the requests reached the
+    # engine one after another). So preemptions, queue time and the sampled peaks are figures;
+    # the pressure itself is asserted where the router creates it
+    # (test_kv_pressure_misa_t_holds_and_preempts_less_than_least_loaded).
 
 
 @pytest.mark.e2e
