@@ -208,8 +208,6 @@ class Dispatcher:
                 self.finish(req, decision.engine_id, _aborted(req), Outcome.CLIENT_DISCONNECT)
                 continue
             fut.set_result(decision)
-        if released:
-            s.touch()
         return len(released)
 
     async def run(self) -> None:

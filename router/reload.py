@@ -103,11 +103,11 @@ def apply_config(state: RouterState, new: RouterConfig, source: str) -> ReloadRe
     """Apply ``new`` atomically (no await inside), or raise without changing anything."""
     old = state.config
     new_hash = new.config_hash()
+    # Counted in the same synchronous step as the apply: the live work the new config takes over.
+    n_in_flight, n_held = len(state.dispatcher.in_flight), state.runner.held_count()
     if new_hash == state.config_hash:
-        return ReloadResult(
-            False, old.generation, state.config_hash, (), False,
-            len(state.dispatcher.in_flight), state.runner.held_count(),
-        )
+        return ReloadResult(False, old.generation, state.config_hash, (),
+                            requests_in_flight=n_in_flight, held_requests=n_held)
     runner = state.runner
     live = set(runner.active_sessions()) | {e.req.workload_class for e in runner.held()}
     check_reload(old, new, live)
@@ -136,11 +136,8 @@ def apply_config(state: RouterState, new: RouterConfig, source: str) -> ReloadRe
     )
     state.dispatcher.kick()
     state.touch()
-    # Counted in the same synchronous step as the apply: what the new config found live.
-    return ReloadResult(
-        True, new.generation, new_hash, changes, rebuilt,
-        len(state.dispatcher.in_flight), runner.held_count(),
-    )
+    return ReloadResult(True, new.generation, new_hash, changes, rebuilt,
+                        requests_in_flight=n_in_flight, held_requests=n_held)
 
 
 def refuse(state: RouterState, source: str, reason: str) -> None:

@@ -20,6 +20,7 @@ import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import aiohttp
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
@@ -232,6 +233,18 @@ class FakeEngine:
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         return await self._answer(request, chat=True)
+
+
+async def open_parked_stream(
+    http: aiohttp.ClientSession, router_url: str, **body: Any
+) -> tuple[aiohttp.ClientResponse, bytes]:
+    """POST a streamed 3-token rlvr completion and read its first event. With the engine's
+    ``mid_stream_gate`` set to an unset ``asyncio.Event``, the stream then stays open (in flight
+    at the router) until the test sets the gate. Returns the response and that first event."""
+    resp = await http.post(router_url + "/v1/completions",
+                           json={"model": MODEL, "prompt": [1], "max_tokens": 3, "stream": True, **body},
+                           headers={"X-Rollout-Class": "rlvr"})
+    return resp, await resp.content.readuntil(b"\n\n")
 
 
 def router_config(urls: list[str], **overrides: Any) -> RouterConfig:

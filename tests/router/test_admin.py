@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 import yaml
 
-from .conftest import MODEL, FakeEngine, router_config
+from .conftest import MODEL, FakeEngine, open_parked_stream, router_config
 
 TOKEN = "s3cret-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -130,11 +130,7 @@ async def test_file_reload_with_in_flight_stream_unaffected(
     os.symlink("..data/router.yaml", tmp_path / "router.yaml")
     h = await make_router([eng], config_path=str(tmp_path / "router.yaml"))
     async with aiohttp.ClientSession() as http:
-        resp = await http.post(h.url + "/v1/completions",
-                               json={"model": MODEL, "prompt": [1], "max_tokens": 3,
-                                     "stream": True, "stream_options": {"include_usage": True}},
-                               headers={"X-Rollout-Class": "rlvr"})
-        await resp.content.readuntil(b"\n\n")
+        resp, _ = await open_parked_stream(http, h.url, stream_options={"include_usage": True})
         # Invalid content first: refused, old config kept.
         new_dir = tmp_path / "..2024_02"
         new_dir.mkdir()
@@ -201,10 +197,7 @@ async def test_put_config_answer_counts_the_work_it_found_live(
     eng.mid_stream_gate = asyncio.Event()
     h = await make_router([eng], admin_token=TOKEN)
     async with aiohttp.ClientSession() as http:
-        resp = await http.post(h.url + "/v1/completions",
-                               json={"model": MODEL, "prompt": [1], "max_tokens": 3, "stream": True},
-                               headers={"X-Rollout-Class": "rlvr"})
-        await resp.content.readuntil(b"\n\n")  # the stream is open, parked mid-way by the engine
+        resp, _ = await open_parked_stream(http, h.url)  # parked mid-way by the engine
         doc = config_doc(h, generation=2) | {"hold_deadline_s": 9.0}
         async with http.put(h.url + "/admin/config", data=json.dumps(doc), headers=AUTH) as r:
             assert r.status == 200

@@ -7,7 +7,7 @@ import time
 
 import aiohttp
 
-from .conftest import MODEL, WAIT_S, FakeEngine
+from .conftest import MODEL, WAIT_S, FakeEngine, open_parked_stream
 
 LIMIT_ONE = {"concurrency_limit": 1}
 
@@ -102,11 +102,7 @@ async def test_client_disconnect_mid_stream_releases_the_placement(
     eng.mid_stream_gate = asyncio.Event()
     h = await make_router([eng], policy=LIMIT_ONE)
     async with aiohttp.ClientSession() as http:
-        resp = await http.post(h.url + "/v1/completions",
-                               json={"model": MODEL, "prompt": [1], "max_tokens": 3,
-                                     "stream": True},
-                               headers={"X-Rollout-Class": "rlvr"})
-        first = await resp.content.readuntil(b"\n\n")
+        resp, first = await open_parked_stream(http, h.url)
         assert first.startswith(b"data: ")
         assert len(h.state.dispatcher.in_flight) == 1
         resp.close()  # the client goes away mid-stream
