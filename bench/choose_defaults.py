@@ -9,7 +9,7 @@ steady mixture and prints, side by side:
 - MISA-T and session-admission at a high ceiling, with the footprint
   estimator at several settings (statistic and percentile).
 
-``python bench/choose_defaults.py --json out/defaults.json``; docs/policy.md
+``python -P -m misat_bench.choose_defaults --json out/defaults.json``; docs/policy.md
 records the figures and the default chosen from them.
 """
 
@@ -20,8 +20,9 @@ import json
 import time
 from pathlib import Path
 
-from misat_router.policy.settings import FootprintSettings, PolicySettings
+from misat_router.policy.settings import FootprintSettings, PolicyName, PolicySettings
 from misat_sim.cluster import ClusterConfig, run_cluster
+from misat_sim.workload import WorkloadSpec
 
 
 def main() -> None:
@@ -40,14 +41,14 @@ def main() -> None:
 
     runs: list[tuple[str, PolicySettings, int]] = []
     for c in (int(x) for x in args.ceilings.split(",") if x):
-        runs.append((f"cache-aware @{c}", PolicySettings(name="cache-aware"), c))
+        runs.append((f"cache-aware @{c}", PolicySettings(name=PolicyName.CACHE_AWARE), c))
     variants = [(f.split(":")[0], float(f.split(":")[1])) for f in args.footprints.split(",") if f]
     for stat, pct in variants:
         fp = FootprintSettings(statistic=stat, percentile=pct)
-        runs.append((f"misa-t {stat} p{pct:g} @{args.high}", PolicySettings(name="misa-t", footprint=fp),
+        runs.append((f"misa-t {stat} p{pct:g} @{args.high}", PolicySettings(name=PolicyName.MISA_T, footprint=fp),
                      args.high))
     if not args.no_session_admission:
-        runs.append((f"session-admission peak p50 @{args.high}", PolicySettings(name="session-admission"),
+        runs.append((f"session-admission peak p50 @{args.high}", PolicySettings(name=PolicyName.SESSION_ADMISSION),
                      args.high))
     results = []
     print(f"{'run':34s} {'units/min':>9s} {'hit %':>6s} {'KV %':>5s} {'TV pts':>6s} {'preempt':>7s} "
@@ -56,7 +57,7 @@ def main() -> None:
         t0 = time.process_time()
         r = run_cluster(ClusterConfig(engines=args.engines, policy=policy, ceiling=ceiling,
                                       duration_s=args.duration, warmup_s=args.warmup,
-                                      workload={"seed": args.seed}))
+                                      workload=WorkloadSpec(seed=args.seed)))
         cpu = time.process_time() - t0
         print(f"{label:34s} {r.sample_rate_per_min:9.1f} {100 * r.prefix_hit_rate:6.1f} "
               f"{100 * r.mean_kv_usage:5.1f} {r.tv_points:6.2f} {r.preemptions:7d} {cpu:6.0f}", flush=True)

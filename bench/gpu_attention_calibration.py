@@ -12,7 +12,7 @@ constants are about attention and were derived by roofline arithmetic:
 This script times PyTorch's fused scaled-dot-product attention (flash or
 cuDNN kernels) in bf16 with the attention shapes of the two GPU profiles, and
 prints achieved FLOP/s for prefill over long contexts and achieved bytes/s
-for decode. ``python bench/gpu_attention_calibration.py --json out.json``;
+for decode. ``python -P -m misat_bench.gpu_attention_calibration --json out.json``;
 docs/simulator.md records the figures and the constants taken from them.
 Needs torch with a CUDA device; on CPU it runs tiny shapes as a smoke check.
 """

@@ -33,7 +33,7 @@ def setup(n_engines: int, n_sessions: int, prompt_len: int, seed: int) -> tuple[
     policy = MisaPolicy(PolicySettings(name=PolicyName.MISA_T), MIX)
     runner = PolicyRunner(policy, MIX)
     engines = {
-        f"engine-{i:02d}": EngineSnapshot(f"engine-{i:02d}", kv_capacity_tokens=50_000_000, scraped_at=0.0)
+        f"engine-{i:02d}": EngineSnapshot(engine_id=f"engine-{i:02d}", kv_capacity_tokens=50_000_000, scraped_at=0.0)
         for i in range(n_engines)
     }
     runner.on_metrics(engines, 0.0)

@@ -18,7 +18,7 @@ for usage in the stream. Then the clients stop, the load drains, and the run rep
 - requests, errors, broken streams, and that every in-flight, held and per-engine count
   returned to zero.
 
-    python bench/soak.py --sessions 1000 --duration 600 --json out/soak.json
+    python -P -m misat_bench.soak --sessions 1000 --duration 600 --json out/soak.json
 
 ``tests/reliability/test_soak.py`` runs it under ``-m slow`` (``MISAT_SOAK_S`` seconds).
 """
@@ -32,8 +32,6 @@ import gc
 import json
 import os
 import random
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -45,10 +43,12 @@ import aiohttp
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
-from misat_router.app import STATE, create_app
+from misat_cli.processes import free_port, start_process, stop_processes
+from misat_router.app import create_app
 from misat_router.config import RouterConfig
 from misat_router.memory import DEFAULT_MMAP_THRESHOLD_BYTES, pin_mmap_threshold
 from misat_router.server import LISTEN_BACKLOG, SERVER_OPTIONS
+from misat_router.state import STATE
 from misat_sim.config import SimEngineConfig
 from misat_sim.server import LISTEN_BACKLOG as SIM_LISTEN_BACKLOG
 from misat_sim.server import create_app as create_sim_app
@@ -205,14 +205,11 @@ async def start_engine(i: int, cfg: SoakConfig) -> web.AppRunner:
 def engine_process(i: int, cfg: SoakConfig) -> tuple[str, subprocess.Popen[bytes]]:
     """One simulated engine in its own process, as in a deployment, so this process's RSS is
     the router's (and the clients'), not the engines' caches filling up."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     cmd = [sys.executable, "-P", "-m", "misat_sim.server", "--profile", "tiny-cpu", "--port", str(port),
            "--served-model-name", MODEL, "--seed", str(i), "--time-scale", str(cfg.time_scale),
            "--num-gpu-blocks", "2048", "--max-num-seqs", "512", "--max-num-batched-tokens", "8192"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    return f"http://127.0.0.1:{port}", proc
+    return f"http://127.0.0.1:{port}", start_process(cmd)
 
 
 def port_of(runner: web.AppRunner) -> int:
@@ -340,10 +337,9 @@ async def run_soak(cfg: SoakConfig, log: Any = print) -> SoakReport:
     child: subprocess.Popen[bytes] | None = None
     child_out = f"/tmp/misat-soak-clients-{os.getpid()}.json"
     if cfg.client_process:
-        child = subprocess.Popen(
-            [sys.executable, "-P", __file__, "--client-url", url, "--sessions", str(cfg.sessions),
-             "--duration", str(cfg.duration_s), "--max-tokens", str(cfg.max_tokens), "--json", child_out],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        child = start_process(
+            [sys.executable, "-P", "-m", "misat_bench.soak", "--client-url", url, "--sessions", str(cfg.sessions),
+             "--duration", str(cfg.duration_s), "--max-tokens", str(cfg.max_tokens), "--json", child_out])
         tasks: list[asyncio.Task[None]] = []
     else:
         tasks = [asyncio.create_task(clients.client(i)) for i in range(cfg.sessions)]
@@ -419,10 +415,7 @@ async def run_soak(cfg: SoakConfig, log: Any = print) -> SoakReport:
     await router.cleanup()
     for e in engines:
         await e.cleanup()
-    for _, proc in procs:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=10)
+    stop_processes((proc for _, proc in procs), timeout_s=10.0)
     await asyncio.sleep(0)  # let closed transports release their sockets
     gc.collect()
     report.fds_after_drain = open_fds()

@@ -15,10 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import os
 import secrets
-import signal
-import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Callable
@@ -38,6 +35,8 @@ from misat_router.app import create_app
 from misat_router.config import EnginesConfig, RouterConfig
 from misat_router.policy.settings import PolicyName
 from misat_router.server import LISTEN_BACKLOG, SERVER_OPTIONS
+
+from .processes import ProcessStartError, free_port, start_process, stop_processes, wait_http_ok
 
 ENGINE_START_TIMEOUT_S = 60.0
 """How long a simulated engine may take to answer /health after its process starts."""
@@ -118,12 +117,6 @@ def render_local_config(
     return RouterConfig.model_validate({**config.model_dump(), **overrides})
 
 
-def free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
 @dataclass
 class SimEngineProcess:
     url: str
@@ -131,18 +124,10 @@ class SimEngineProcess:
 
 
 async def _wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1.0)) as http:
-        while True:
-            if proc.poll() is not None:
-                raise PoolError(f"simulated engine at {url} exited with code {proc.returncode} while starting")
-            with contextlib.suppress(aiohttp.ClientError, TimeoutError):
-                async with http.get(f"{url}/health") as resp:
-                    if resp.status == 200:
-                        return
-            if asyncio.get_running_loop().time() > deadline:
-                raise PoolError(f"simulated engine at {url} did not become healthy in {timeout_s:.0f} s")
-            await asyncio.sleep(0.1)  # bounded poll of a starting process
+    try:
+        await wait_http_ok(f"{url}/health", proc, timeout_s, what=f"simulated engine at {url}")
+    except ProcessStartError as exc:
+        raise PoolError(str(exc)) from None
 
 
 async def start_sim_engines(
@@ -160,12 +145,8 @@ async def start_sim_engines(
                 cmd += ["--max-num-seqs", str(spec.engines.max_num_seqs)]
             if spec.engines.max_num_batched_tokens is not None:
                 cmd += ["--max-num-batched-tokens", str(spec.engines.max_num_batched_tokens)]
-            log = subprocess.DEVNULL
-            if log_dir is not None:
-                log_dir.mkdir(parents=True, exist_ok=True)
-                log = (log_dir / f"engine-{i}.log").open("wb")  # type: ignore[assignment]
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-            engines.append(SimEngineProcess(f"http://{host}:{port}", proc))
+            log = log_dir / f"engine-{i}.log" if log_dir is not None else None
+            engines.append(SimEngineProcess(f"http://{host}:{port}", start_process(cmd, log_path=log)))
         await asyncio.gather(*(_wait_healthy(e.url, e.proc, ENGINE_START_TIMEOUT_S) for e in engines))
     except BaseException:
         stop_engines(engines)
@@ -175,17 +156,7 @@ async def start_sim_engines(
 
 def stop_engines(engines: list[SimEngineProcess]) -> None:
     """SIGTERM every engine's process group, then SIGKILL what is left."""
-    for e in engines:
-        if e.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(e.proc.pid, signal.SIGTERM)
-    for e in engines:
-        try:
-            e.proc.wait(timeout=ENGINE_STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(e.proc.pid, signal.SIGKILL)
-            e.proc.wait()
+    stop_processes([e.proc for e in engines], ENGINE_STOP_TIMEOUT_S)
 
 
 @dataclass
@@ -220,7 +191,7 @@ class LocalPool:
     async def status(self) -> dict[str, Any]:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0)) as http, \
                 http.get(f"{self.router_url}/status") as resp:
-            return await resp.json()  # type: ignore[no-any-return]
+            return await resp.json()
 
 
 @contextlib.asynccontextmanager

@@ -11,32 +11,45 @@ import argparse
 import importlib
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import cast
 
-# name -> (module, function taking argv, help)
-SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
-    "router": ("misat_router.server", "main", "run the MISA-T router (OpenAI-compatible proxy)"),
-    "sim-engine": ("misat_sim.server", "main", "run one simulated vLLM engine"),
-    "replay": ("misat_cli.replay", "main", "replay a seeded synthetic trace through a policy"),
-    "demo": ("misat_cli.demo", "main", "the main job: a local RolloutPool under a mixed workload"),
-    "up": ("misat_cli.up", "main", "run a RolloutPool manifest locally (simulated or given engines)"),
-    "bench": ("misat_sim.bench", "main", "side-by-side benchmark against the vLLM Router"),
-    "operator": ("misat_operator.main", "main", "run the RolloutPool operator (kopf)"),
+
+@dataclass(frozen=True, slots=True)
+class Subcommand:
+    module: str
+    func: str
+    help: str
+    extra: str | None
+    """The distribution extra that brings its dependencies (None: the core install)."""
+
+
+SUBCOMMANDS: dict[str, Subcommand] = {
+    "router": Subcommand("misat_router.server", "main", "run the MISA-T router (OpenAI-compatible proxy)", None),
+    "sim-engine": Subcommand("misat_sim.server", "main", "run one simulated vLLM engine", None),
+    "replay": Subcommand("misat_cli.replay", "main", "replay a seeded synthetic trace through a policy", "cli"),
+    "demo": Subcommand("misat_cli.demo", "main", "the main job: a local RolloutPool under a mixed workload", "cli"),
+    "up": Subcommand(
+        "misat_cli.up", "main", "run a RolloutPool manifest locally (simulated or given engines)", "cli"
+    ),
+    "bench": Subcommand("misat_bench.main", "main", "side-by-side benchmark against the vLLM Router", "bench"),
+    "operator": Subcommand("misat_operator.main", "main", "run the RolloutPool operator (kopf)", "operator"),
 }
 
 
 def _resolve(name: str) -> Callable[[list[str]], int]:
-    module_name, func, _ = SUBCOMMANDS[name]
+    cmd = SUBCOMMANDS[name]
     try:
-        module = importlib.import_module(module_name)
+        module = importlib.import_module(cmd.module)
     except ModuleNotFoundError as exc:
-        missing = exc.name or module_name
+        missing = exc.name or cmd.module
         if missing.startswith("misat_"):
             raise SystemExit(f"misat {name}: not available in this build ({missing} is missing)") from exc
+        install = f"pip install 'misa-t[{cmd.extra}]'" if cmd.extra else "pip install misa-t"
         raise SystemExit(
-            f"misat {name}: the Python package {missing!r} is missing; "
-            "install the project with its extras (e.g. pip install -e '.[bench]')"
+            f"misat {name}: the Python package {missing!r} is missing; install it with {install}"
         ) from exc
-    return getattr(module, func)  # type: ignore[no-any-return]
+    return cast(Callable[[list[str]], int], getattr(module, cmd.func))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -46,8 +59,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="MISA-T: mix-aware session admission for RL rollouts on vLLM engines.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, (_, _, help_text) in SUBCOMMANDS.items():
-        sub.add_parser(name, help=help_text, add_help=False)
+    for name, cmd in SUBCOMMANDS.items():
+        sub.add_parser(name, help=cmd.help, add_help=False)
     if not args or args[0] in ("-h", "--help") or args[0] not in SUBCOMMANDS:
         if args and args[0] not in ("-h", "--help"):
             parser.print_usage(sys.stderr)

@@ -49,7 +49,7 @@ def replay(policy: PolicyName, seed: int, sessions: int, engines: int, capacity:
     rng = random.Random(seed)
     runner = PolicyRunner(build_policy(PolicySettings(name=policy), MIX), MIX)
     ids = [f"engine-{i}" for i in range(engines)]
-    snaps = {e: EngineSnapshot(e, kv_capacity_tokens=capacity) for e in ids}
+    snaps = {e: EngineSnapshot(engine_id=e, kv_capacity_tokens=capacity) for e in ids}
     runner.on_metrics(snaps, 0.0)
     events: list[Event] = []
     seq = 0

@@ -39,7 +39,7 @@ class OperatorSettings(BaseModel):
     )
     post_events: bool = Field(True, description="Post Kubernetes Events for handler outcomes (kopf).")
     liveness_endpoint: str | None = Field(
-        "http://0.0.0.0:8080/healthz", description="kopf's liveness endpoint (None: off)."
+        "http://0.0.0.0:8080/healthz", description="kopf's liveness endpoint (an empty string turns it off)."
     )
 
     def router_base_url(self, name: str, namespace: str, port: int) -> str:

@@ -1,9 +1,9 @@
 """Admin endpoints: config reload, pause/resume around a weight update.
 
 - ``PUT /admin/config``: a new RouterConfig (JSON or YAML body), applied
-  atomically (``reload.py``); 400 with the reason when invalid, 409 when stale.
+  atomically (``RouterState.reload``; the rules in ``reload.py``); 400 with the reason when invalid, 409 when stale.
 - ``GET /admin/config``: the applied config.
-- ``POST /admin/pause``: new work is held (``runner.paused``); requests in
+- ``POST /admin/pause``: new work is held (``RouterState.pause``); requests in
   flight continue. ``?reset_prefix_cache=true`` also resets every engine's
   prefix cache (default: ``pause_resets_prefix_cache``).
 - ``POST /admin/resume``: held work is re-checked at once;
@@ -24,10 +24,9 @@ import logging
 import aiohttp
 from aiohttp import web
 
-from .app import STATE, RouterState
 from .errors import AdminDisabled, InvalidRequest, Unauthorized
 from .proxy import read_body
-from .reload import reload_from_bytes
+from .state import STATE, RouterState
 
 log = logging.getLogger(__name__)
 
@@ -76,14 +75,14 @@ async def reset_prefix_caches(state: RouterState) -> dict[str, str]:
 
     engines = [e for e, snap in state.registry.snapshots().items() if snap.healthy]
     results = await asyncio.gather(*(one(e) for e in engines))
-    state.runner.reset_prefix_caches(state.clock())
+    state.prefix_caches_reset()
     return dict(zip(engines, results, strict=True))
 
 
 async def handle_put_config(request: web.Request) -> web.Response:
     state = require_admin(request)
     data = await read_body(request, state.config.max_body_bytes)
-    result = reload_from_bytes(state, data, "admin")
+    result = state.reload(data, "admin")
     return web.json_response(result.as_dict())
 
 
@@ -96,13 +95,12 @@ async def handle_get_config(request: web.Request) -> web.Response:
 async def _set_paused(request: web.Request, paused: bool, default_reset: bool) -> web.Response:
     state = require_admin(request)
     reset = _query_flag(request, "reset_prefix_cache", default_reset)
+    # Pause before the reset (nothing new lands on a cache being cleared); resume after it.
     if paused:
-        state.runner.paused = True
+        state.pause()
     reset_results = await reset_prefix_caches(state) if reset else None
     if not paused:
-        state.runner.paused = False
-    state.dispatcher.kick()
-    state.touch()
+        state.resume()
     log.info("router %s (prefix cache reset: %s)", "paused" if paused else "resumed", reset)
     return web.json_response(
         {

@@ -105,7 +105,8 @@ class RouterConfig(_Frozen):
         "scrapes per admission epoch; vLLM's gauges move visibly at this rate).",
     )
     scrape_timeout_s: float = Field(
-        2.0, gt=0.0, description="Timeout of one /metrics scrape; a slow scrape keeps the last snapshot."
+        2.0, gt=0.0, description="Timeout of one /metrics scrape; after a failed scrape the policy reads the engine's "
+        "load gauges as 0 (unknown) and counts its own sessions there until a scrape succeeds."
     )
     health_interval_s: float = Field(
         0.5, gt=0.0,

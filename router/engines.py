@@ -23,7 +23,7 @@ from types import MappingProxyType
 
 from .config import ServiceRef
 from .policy.types import EngineSnapshot
-from .scrape import VllmMetrics
+from .vllm_metrics import VllmMetrics
 
 log = logging.getLogger(__name__)
 
@@ -182,35 +182,18 @@ class EngineRegistry:
 
 
 def _snapshot(st: EngineState) -> EngineSnapshot:
-    m = st.metrics
+    m = st.metrics or VllmMetrics()
     if st.scrape_failed_at is not None:
         # Metrics unusable (slow, empty, garbage): the load gauges are unknown, so they
         # read 0 and the policy counts the router's own sessions on this engine; KV
         # capacity (static) and the cumulative counters keep their last good values.
         # Stamped with the failed scrape's time, so the policy's per-engine event log
         # (kept "since the last scrape") stays bounded.
-        return EngineSnapshot(
-            engine_id=st.engine_id,
-            healthy=st.healthy,
-            kv_capacity_tokens=m.kv_capacity_tokens if m else 0,
-            prefix_queries_total=m.prefix_queries_total if m else 0.0,
-            prefix_hits_total=m.prefix_hits_total if m else 0.0,
-            preemptions_total=m.preemptions_total if m else 0.0,
-            scraped_at=st.scrape_failed_at,
+        return EngineSnapshot.from_metrics(
+            st.engine_id, m.without_load(), healthy=st.healthy, scraped_at=st.scrape_failed_at
         )
-    if m is None:
-        return EngineSnapshot(engine_id=st.engine_id, healthy=st.healthy)
-    return EngineSnapshot(
-        engine_id=st.engine_id,
-        healthy=st.healthy,
-        kv_capacity_tokens=m.kv_capacity_tokens,
-        kv_usage=m.kv_usage,
-        num_running=m.num_running,
-        num_waiting=m.num_waiting,
-        prefix_queries_total=m.prefix_queries_total,
-        prefix_hits_total=m.prefix_hits_total,
-        preemptions_total=m.preemptions_total,
-        scraped_at=st.scraped_at,
+    return EngineSnapshot.from_metrics(
+        st.engine_id, m, healthy=st.healthy, scraped_at=st.scraped_at
     )
 
 

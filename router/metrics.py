@@ -37,7 +37,8 @@ class Outcome:
     ENGINE_ERROR = "engine_error"
     """The engine answered with a 4xx/5xx status (passed through)."""
     UPSTREAM_FAILED = "upstream_failed"
-    """The engine connection broke (after retries, or mid-stream)."""
+    """The engine took the request and then failed it: a read timeout, or a stream broken mid-way
+    (an attempt that failed before any byte reached the client counts as ``retried`` instead)."""
     RETRIED = "retried"
     """An attempt that failed before any byte reached the client; placed again."""
     CLIENT_DISCONNECT = "client_disconnect"

@@ -38,11 +38,11 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
-from .app import STATE, RouterState
 from .errors import BodyTooLarge, InvalidRequest, NotFound, ShuttingDown, UpstreamUnavailable, openai_error_body
 from .metrics import Outcome
 from .policy.types import Completion, RequestMeta
 from .request_meta import EndpointKind, ParsedRequest, parse_request
+from .state import STATE, RouterState
 
 ENGINE_HEADER = "X-Misat-Engine"
 """Response header naming the engine that served the request."""

@@ -1,6 +1,8 @@
-"""Hot reload: apply a new RouterConfig atomically, from ``PUT /admin/config`` or a watched file.
+"""Hot reload: the rules for replacing the applied RouterConfig, and the watched-file source.
 
-``apply_config`` is synchronous, so it runs between two decisions of the one
+Sources: ``PUT /admin/config`` and a watched file. The apply itself is
+``RouterState.apply_config`` (``state.py``), built on ``check_reload`` and
+``changed_fields`` here. It is synchronous, so it runs between two decisions of the one
 event loop: no request ever sees half a config. What a reload keeps and what
 it changes:
 
@@ -38,15 +40,12 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from .config import ConfigError, RouterConfig, parse_config
+from .config import RouterConfig
 from .errors import ConfigRejected, RouterError, StaleConfig
-
-if TYPE_CHECKING:
-    from .app import RouterState
 
 log = logging.getLogger(__name__)
 
@@ -99,81 +98,25 @@ def check_reload(
         )
 
 
-def apply_config(state: RouterState, new: RouterConfig, source: str) -> ReloadResult:
-    """Apply ``new`` atomically (no await inside), or raise without changing anything."""
-    old = state.config
-    new_hash = new.config_hash()
-    # Counted in the same synchronous step as the apply: the live work the new config takes over.
-    n_in_flight, n_held = len(state.dispatcher.in_flight), state.runner.held_count()
-    if new_hash == state.config_hash:
-        return ReloadResult(False, old.generation, state.config_hash, (),
-                            requests_in_flight=n_in_flight, held_requests=n_held)
-    runner = state.runner
-    live = set(runner.active_sessions()) | {e.req.workload_class for e in runner.held()}
-    check_reload(old, new, live)
-    changes = changed_fields(old, new)
-    now = state.clock()
-    rebuilt = False
-    if old.policy != new.policy or old.workloads != new.workloads:
-        # Knob changes are applied in place (what the policy learned survives); a change
-        # of policy hands the live state (held, sessions, in flight) to a new policy object.
-        in_flight = [(f.meta, f.engine_id) for f in state.dispatcher.in_flight.values()]
-        rebuilt = runner.apply_settings(new.policy, new.workloads, now, in_flight)
-        if rebuilt:
-            runner.on_metrics(state.registry.snapshots(), now)
-    state.config = new
-    state.config_hash = new_hash
-    state.last_reload_error = None
-    if old.engines != new.engines:
-        urls = new.engines.static_urls()
-        if urls is not None:
-            state.registry.set_engines(urls)
-        state.engines_changed.set()
-    state.metrics.reloads.labels(source, "applied").inc()
-    log.info(
-        "config generation %d applied from %s (hash %s; changed: %s)",
-        new.generation, source, new_hash, ", ".join(changes) or "nothing",
-    )
-    state.dispatcher.kick()
-    state.touch()
-    return ReloadResult(True, new.generation, new_hash, changes, rebuilt,
-                        requests_in_flight=n_in_flight, held_requests=n_held)
-
-
-def refuse(state: RouterState, source: str, reason: str) -> None:
-    """Record a refused reload (shown in /status as ``last_reload_error``)."""
-    state.last_reload_error = reason
-    state.metrics.reloads.labels(source, "refused").inc()
-    log.warning("config from %s refused, old one kept: %s", source, reason)
-    state.touch()
-
-
 def file_digest(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def reload_from_bytes(state: RouterState, data: bytes, source: str) -> ReloadResult:
-    """Parse and apply; every refusal is recorded and re-raised as a domain error."""
-    try:
-        new = parse_config(data)
-    except ConfigError as exc:
-        refuse(state, source, str(exc))
-        raise ConfigRejected(f"invalid config: {exc}") from None
-    try:
-        return apply_config(state, new, source)
-    except RouterError as exc:
-        refuse(state, source, exc.message)
-        raise
+async def watch_config_file(
+    path: Path, apply: Callable[[bytes], object], poll_interval_s: Callable[[], float]
+) -> None:
+    """Poll ``path`` by content hash; hand each new content to ``apply`` once.
 
-
-async def watch_config_file(state: RouterState, path: Path) -> None:
-    """Poll ``path`` by content hash; apply each new content once (refusals are logged)."""
+    ``apply`` is ``RouterState.reload`` bound to the source ``"file"``; its
+    ``RouterError`` refusals are recorded there and the old config stays.
+    The interval is read before every poll, so a reload of it applies at once.
+    """
     try:
         last = file_digest(path.read_bytes())
     except OSError:
         last = None
     while True:
-        await asyncio.sleep(state.config.config_poll_interval_s)
+        await asyncio.sleep(poll_interval_s())
         try:
             data = path.read_bytes()
         except OSError as exc:  # mid-swap or unmounted: try again next poll
@@ -183,6 +126,5 @@ async def watch_config_file(state: RouterState, path: Path) -> None:
         if digest == last:
             continue
         last = digest
-        # A refusal is recorded by reload_from_bytes; the old config stays.
         with contextlib.suppress(RouterError):
-            reload_from_bytes(state, data, "file")
+            apply(data)

@@ -42,7 +42,7 @@ PYCHECK
 fi
 
 if [[ ! -f "$MODEL_DIR/config.json" || ! -f "$MODEL_DIR/tokenizer.json" ]]; then
-    "$PY" -P -m misat_sim.tiny_model "$MODEL_DIR"
+    "$PY" -P -m misat_bench.tiny_model "$MODEL_DIR"
 fi
 SETUP_S=$((SECONDS - START))
 

@@ -23,6 +23,7 @@ import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import cast
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -32,6 +33,7 @@ from misat_router.policy.settings import ClassSpec, PolicySettings, WorkloadMix
 from misat_router.policy.types import Completion, EngineSnapshot, RequestMeta
 from misat_sim.config import SimEngineConfig
 from misat_sim.engine import FinishedRequest, SimEngine
+from misat_sim.metrics import read_metrics
 from misat_sim.workload import RolloutClass, SessionPlan, Workload, WorkloadSpec
 
 
@@ -144,19 +146,7 @@ class Cluster:
         heapq.heappush(self._events, (t, next(self._seq), kind, payload))
 
     def _snapshot(self, engine_id: str, eng: SimEngine) -> EngineSnapshot:
-        c = eng.sync_counters()
-        return EngineSnapshot(
-            engine_id,
-            healthy=True,
-            kv_capacity_tokens=eng.limits.kv_capacity_tokens,
-            kv_usage=eng.kv_cache_usage(),
-            num_running=eng.num_running,
-            num_waiting=eng.num_waiting,
-            prefix_queries_total=float(c.prefix_cache_queries),
-            prefix_hits_total=float(c.prefix_cache_hits),
-            preemptions_total=float(c.num_preemptions),
-            scraped_at=self.now,
-        )
+        return EngineSnapshot.from_metrics(engine_id, read_metrics(eng), healthy=True, scraped_at=self.now)
 
     def _scrape(self) -> None:
         self.snapshots = {e: self._snapshot(e, eng) for e, eng in self.engines.items()}
@@ -301,7 +291,7 @@ class Cluster:
 
     def _handle(self, kind: str, payload: object) -> None:
         if kind == "finish":
-            engine_id, fin = payload  # type: ignore[misc]
+            engine_id, fin = cast(tuple[str, FinishedRequest], payload)
             self._on_finished(engine_id, fin)
             self._release_held()
         elif kind == "turn":

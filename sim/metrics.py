@@ -1,10 +1,9 @@
-"""vLLM's Prometheus metrics for one simulated engine, with vLLM's names and labels.
+"""vLLM's Prometheus metrics for one simulated engine, by the vLLM metrics contract.
 
-The router scrapes these exactly as it scrapes a real engine, so names, types
-and labels follow vLLM V1 (``vllm/v1/metrics/loggers.py``): every series has
-labels ``engine`` (the engine index, as a string) and ``model_name``, except
-``vllm:cache_config_info`` whose labels are the cache config fields plus
-``engine``, as vLLM exports it.
+The router scrapes these exactly as it scrapes a real engine: names, types,
+help texts, labels and buckets come from ``misat_router.vllm_metrics``, the
+one place they are spelled; ``read_metrics`` is the same engine as the
+router's ``VllmMetrics``.
 
 Gauges and counters are read from the engine at scrape time by a custom
 collector (no second copy of the numbers); latency histograms are observed
@@ -20,20 +19,31 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from misat_router import vllm_metrics as vm
+from misat_router.vllm_metrics import VllmMetrics
 from misat_sim.engine import FinishedRequest, SimEngine
 from misat_sim.request import FinishReason
 
-TTFT_BUCKETS: tuple[float, ...] = (
-    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
-    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
-)  # fmt: skip
-"""vLLM's buckets for ``vllm:time_to_first_token_seconds``."""
 
-REQUEST_LATENCY_BUCKETS: tuple[float, ...] = (
-    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
-    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
-)  # fmt: skip
-"""vLLM's buckets for e2e latency and queue time histograms."""
+def read_metrics(engine: SimEngine) -> VllmMetrics:
+    """The engine as the router reads it from ``/metrics``: what this exporter serves.
+
+    The cluster simulator builds its policy snapshots from this too, so the
+    in-process and the HTTP paths see the same numbers.
+    """
+    c = engine.sync_counters()
+    limits = engine.limits
+    return VllmMetrics(
+        # As the router computes it from vllm:cache_config_info: the reserved null block
+        # counts (limits.kv_capacity_tokens leaves it out), so both paths see one number.
+        kv_capacity_tokens=limits.num_gpu_blocks * limits.block_size,
+        kv_usage=engine.kv_cache_usage(),
+        num_running=engine.num_running,
+        num_waiting=engine.num_waiting,
+        prefix_queries_total=float(c.prefix_cache_queries),
+        prefix_hits_total=float(c.prefix_cache_hits),
+        preemptions_total=float(c.num_preemptions),
+    )
 
 
 class _EngineStateCollector(Collector):
@@ -46,56 +56,37 @@ class _EngineStateCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         engine = self._engine
+        m = read_metrics(engine)
         c = engine.sync_counters()
         names = list(self._labels)
         values = list(self._labels.values())
 
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            g = GaugeMetricFamily(name, doc, labels=names)
+        def gauge(metric: vm.VllmMetric, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(metric.name, metric.help, labels=names)
             g.add_metric(values, value)
             return g
 
-        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            m = CounterMetricFamily(name, doc, labels=names)
+        def counter(metric: vm.VllmMetric, value: float) -> CounterMetricFamily:
+            m = CounterMetricFamily(metric.name, metric.help, labels=names)
             m.add_metric(values, value)
             return m
 
-        yield gauge(
-            "vllm:num_requests_running", "Number of requests in model execution batches.", engine.num_running
-        )
-        yield gauge(
-            "vllm:num_requests_waiting", "Number of requests waiting to be processed.", engine.num_waiting
-        )
-        yield gauge(
-            "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", engine.kv_cache_usage()
-        )
-        yield counter(
-            "vllm:num_preemptions", "Cumulative number of preemption from the engine.", c.num_preemptions
-        )
-        yield counter(
-            "vllm:prefix_cache_queries",
-            "Prefix cache queries, in terms of number of queried tokens.",
-            c.prefix_cache_queries,
-        )
-        yield counter(
-            "vllm:prefix_cache_hits",
-            "Prefix cache hits, in terms of number of cached tokens.",
-            c.prefix_cache_hits,
-        )
-        yield counter("vllm:prompt_tokens", "Number of prefill tokens processed.", c.prompt_tokens)
-        yield counter("vllm:generation_tokens", "Number of generation tokens processed.", c.generation_tokens)
+        yield gauge(vm.NUM_REQUESTS_RUNNING, m.num_running)
+        yield gauge(vm.NUM_REQUESTS_WAITING, m.num_waiting)
+        yield gauge(vm.KV_CACHE_USAGE, m.kv_usage)
+        yield counter(vm.NUM_PREEMPTIONS, m.preemptions_total)
+        yield counter(vm.PREFIX_CACHE_QUERIES, m.prefix_queries_total)
+        yield counter(vm.PREFIX_CACHE_HITS, m.prefix_hits_total)
+        yield counter(vm.PROMPT_TOKENS, c.prompt_tokens)
+        yield counter(vm.GENERATION_TOKENS, c.generation_tokens)
         success = CounterMetricFamily(
-            "vllm:request_success",
-            "Count of successfully processed requests.",
-            labels=[*names, "finished_reason"],
+            vm.REQUEST_SUCCESS.name, vm.REQUEST_SUCCESS.help, labels=[*names, vm.FINISHED_REASON_LABEL]
         )
         for reason in FinishReason:
             success.add_metric([*values, reason.value], c.request_success.get(reason.value, 0))
         yield success
         info = GaugeMetricFamily(
-            "vllm:cache_config_info",
-            "Information of the LLMEngine CacheConfig",
-            labels=list(self._cache_labels),
+            vm.CACHE_CONFIG_INFO.name, vm.CACHE_CONFIG_INFO.help, labels=list(self._cache_labels)
         )
         info.add_metric(list(self._cache_labels.values()), 1.0)
         yield info
@@ -106,41 +97,26 @@ class EngineMetrics:
 
     def __init__(self, engine: SimEngine, model_name: str, engine_index: int = 0) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
-        labels = {"engine": str(engine_index), "model_name": model_name}
+        labels = {vm.ENGINE_LABEL: str(engine_index), vm.MODEL_LABEL: model_name}
         limits = engine.limits
         cache_labels = {
-            "block_size": str(limits.block_size),
+            vm.BLOCK_SIZE_LABEL: str(limits.block_size),
             "cache_dtype": "auto",
             "enable_prefix_caching": str(limits.enable_prefix_caching),
             "gpu_memory_utilization": "0.9",
             "num_cpu_blocks": "None",
-            "num_gpu_blocks": str(limits.num_gpu_blocks),
+            vm.NUM_GPU_BLOCKS_LABEL: str(limits.num_gpu_blocks),
             "num_gpu_blocks_override": "None",
-            "engine": str(engine_index),
+            vm.ENGINE_LABEL: str(engine_index),
         }
         self.registry.register(_EngineStateCollector(engine, labels, cache_labels))
-        names = list(labels)
-        self._ttft = Histogram(
-            "vllm:time_to_first_token_seconds",
-            "Histogram of time to first token in seconds.",
-            names,
-            registry=self.registry,
-            buckets=TTFT_BUCKETS,
-        ).labels(**labels)
-        self._e2e = Histogram(
-            "vllm:e2e_request_latency_seconds",
-            "Histogram of e2e request latency in seconds.",
-            names,
-            registry=self.registry,
-            buckets=REQUEST_LATENCY_BUCKETS,
-        ).labels(**labels)
-        self._queue = Histogram(
-            "vllm:request_queue_time_seconds",
-            "Histogram of time spent in WAITING phase for request.",
-            names,
-            registry=self.registry,
-            buckets=REQUEST_LATENCY_BUCKETS,
-        ).labels(**labels)
+        self._ttft = self._histogram(vm.TIME_TO_FIRST_TOKEN, labels, vm.TTFT_BUCKETS)
+        self._e2e = self._histogram(vm.E2E_REQUEST_LATENCY, labels, vm.REQUEST_LATENCY_BUCKETS)
+        self._queue = self._histogram(vm.REQUEST_QUEUE_TIME, labels, vm.REQUEST_LATENCY_BUCKETS)
+
+    def _histogram(self, metric: vm.VllmMetric, labels: dict[str, str], buckets: tuple[float, ...]) -> Histogram:
+        family = Histogram(metric.name, metric.help, list(labels), registry=self.registry, buckets=buckets)
+        return family.labels(**labels)
 
     def observe_finished(self, f: FinishedRequest) -> None:
         """Record a finished request's latencies (modelled seconds)."""

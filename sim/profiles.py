@@ -53,7 +53,7 @@ GPU_BLOCK_SIZE: int = 16
 """vLLM's default KV block size on CUDA."""
 
 CPU_BLOCK_SIZE: int = 128
-"""KV block size of the vLLM CPU backend (seen on the real server, docs real-vllm.md)."""
+"""KV block size of the vLLM CPU backend (seen on the real server, docs/real-vllm.md)."""
 
 PAPER_MAX_MODEL_LEN: int = 131072
 """Context limit: the paper's RLVR outputs hit a 128K cap (docs/misa-t.md)."""
@@ -223,7 +223,7 @@ STEP3_7_H200 = EngineProfile(
 )
 
 # --- tiny-cpu -------------------------------------------------------------------
-# The real vLLM CPU server of docs real-vllm.md: LlamaConfig(vocab 2048, 2 layers,
+# The real vLLM CPU server of docs/real-vllm.md: LlamaConfig(vocab 2048, 2 layers,
 # 2 KV heads, head_dim 32), random bf16 weights, block size 128.
 TINY_DEFAULT_NUM_BLOCKS: int = 64
 """The e2e launch's --num-gpu-blocks-override: 64 x 128 = 8192 tokens."""
@@ -247,7 +247,7 @@ TINY_STEP_TIME = StepTimeModel(
 
 TINY_CPU = EngineProfile(
     name="tiny-cpu",
-    description="The real vLLM CPU server with the tiny random Llama (docs real-vllm.md)",
+    description="The real vLLM CPU server with the tiny random Llama (docs/real-vllm.md)",
     block_size=CPU_BLOCK_SIZE,
     kv_capacity_tokens=TINY_DEFAULT_NUM_BLOCKS * CPU_BLOCK_SIZE,
     max_num_seqs=CPU_DEFAULT_MAX_NUM_SEQS,

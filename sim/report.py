@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Mapping
+from typing import TypeVar
 
 from pydantic import BaseModel, Field
 
@@ -23,7 +25,11 @@ ERROR_DETAIL_CHARS: int = 300
 """Error examples are truncated: enough for an engine's error message, not a page."""
 
 
-def tv_distance_points(target: dict[str, float], consumed: dict[str, float]) -> float:
+ClassKey = TypeVar("ClassKey", bound=str)
+"""A class name: a plain ``str`` or a ``RolloutClass``."""
+
+
+def tv_distance_points(target: Mapping[ClassKey, float], consumed: Mapping[ClassKey, float]) -> float:
     """Total-variation distance in percentage points: ``0.5 * sum |p - q| * 100``.
 
     Both arguments are shares (any positive scale); each is normalised first.

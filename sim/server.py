@@ -1,7 +1,7 @@
 """vLLM-compatible HTTP server over the engine model (aiohttp).
 
 Serves what the router and the benchmarks use from a real vLLM OpenAI server
-(docs real-vllm.md), with vLLM's paths, body shapes and errors:
+(docs/real-vllm.md), with vLLM's paths, body shapes and errors:
 ``/v1/completions``, ``/v1/chat/completions`` (streaming with
 ``stream_options.include_usage``; ``return_token_ids``), ``/tokenize``,
 ``/v1/models``, ``/health``, ``/load``, ``/version``, ``POST /reset_prefix_cache``
@@ -18,13 +18,14 @@ command line (``python -m misat_sim.server`` or ``misat sim-engine``).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
@@ -45,9 +46,9 @@ from misat_sim.profiles import PROFILES
 from misat_sim.tokenizer import WordTokenizer, render_chat
 
 SIM_VERSION: str = "0.32.0+misat-sim"
+"""Reported by ``/version``: the vLLM version whose surface is reproduced."""
 LISTEN_BACKLOG = 2048
 """Listen queue length: uvicorn's default, which vLLM's API server runs with."""
-"""Reported by ``/version``: the vLLM version whose surface is reproduced."""
 
 
 @dataclass
@@ -406,7 +407,9 @@ async def start_server(config: SimEngineConfig, host: str = "127.0.0.1", port: i
     await runner.setup()
     site = web.TCPSite(runner, host, port, backlog=LISTEN_BACKLOG)
     await site.start()
-    sockets = site._server.sockets if site._server is not None else []  # type: ignore[union-attr]
+    # The bound port when asked for port 0; aiohttp keeps the asyncio.Server private.
+    server = cast(asyncio.Server | None, site._server)
+    sockets = server.sockets if server is not None else []
     bound_port = sockets[0].getsockname()[1] if sockets else port
     url_host = f"[{host}]" if ":" in host else host
 

@@ -1,6 +1,6 @@
 """Deterministic text <-> token ids for the simulated server.
 
-Why this shape: the real e2e server (docs real-vllm.md) serves a tiny model
+Why this shape: the real e2e server (docs/real-vllm.md) serves a tiny model
 whose tokenizer is a WordLevel vocabulary ``t3 .. t<vocab-1>`` over
 whitespace-split words. We reproduce it exactly for such words, so text
 prompts give the same ids on the simulator and on the real server, and extend

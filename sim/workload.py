@@ -128,7 +128,7 @@ DEFAULT_GROUP_SIZE: dict[RolloutClass, int] = {RolloutClass.RLVR: 16, RolloutCla
 (the low end of the paper's "8-16 samples of one prompt")."""
 
 DEFAULT_VOCAB_SIZE: int = 2048
-"""Matches the tiny real-vLLM model (``misat_sim.tiny_model``), so plans run there too."""
+"""Matches the tiny real-vLLM model (``bench/tiny_model.py``), so plans run there too."""
 
 DEFAULT_MIN_TOKEN_ID: int = 3
 """Ids below this are the tiny model's special tokens (<unk>, <s>, </s>); never emitted."""
@@ -150,7 +150,7 @@ class AgenticShape(BaseModel):
     model_config = _FROZEN
     turns: LengthDist = AGENTIC_TURNS
     turn_scale: float = Field(default=0.25, gt=0, le=1)
-    """Turn counts are multiplied by this (ours): about 18 turns instead of 70 keeps
+    """Turn counts are multiplied by this (ours): a median of about 17 turns instead of 70 keeps
     multi-turn prefix reuse dominant while cutting a trajectory's wall time 4x."""
     min_turns: int = Field(default=2, ge=1)
     """At least two turns, so every trajectory exercises a continuation (ours)."""

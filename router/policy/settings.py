@@ -112,7 +112,7 @@ class FootprintSettings(_Settings):
     percentile: Percentile = Field(
         25.0,
         description="Percentile of the recent footprints used as k_b. Chosen by measurement "
-        "(docs/policy.md, bench/choose_defaults.py): on the paper's mixture, peak KV at p25 "
+        "(docs/policy.md, misat_bench.choose_defaults): on the paper's mixture, peak KV at p25 "
         "matched the best static ceiling (0.99x) with engines 77% full; p35 0.96x, the median "
         "0.90x (56% full), p90 0.69x (28% full): sessions grow, so they hold well under their "
         "peak on average.",

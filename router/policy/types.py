@@ -9,8 +9,10 @@ objects run in the live router and in the simulator's virtual time.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from enum import StrEnum
+
+from ..vllm_metrics import VllmMetrics
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,26 +46,27 @@ class RequestMeta:
         return self.session_id is None
 
 
-@dataclass(frozen=True, slots=True)
-class EngineSnapshot:
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineSnapshot(VllmMetrics):
     """An engine as its last ``/metrics`` scrape and health check showed it.
 
-    Counters (``prefix_*_total``, ``preemptions_total``) are cumulative, as
-    vLLM exports them; policies difference consecutive snapshots.
-    ``kv_capacity_tokens`` is ``num_gpu_blocks * block_size`` from
-    ``vllm:cache_config_info``.
+    The metric fields are ``VllmMetrics``'s (the vLLM metrics contract):
+    counters (``prefix_*_total``, ``preemptions_total``) are cumulative, as
+    vLLM exports them, and policies difference consecutive snapshots. Every
+    field is a keyword: ``EngineSnapshot(engine_id="e0", kv_capacity_tokens=...)``.
     """
 
     engine_id: str
     healthy: bool = True
-    kv_capacity_tokens: int = 0
-    kv_usage: float = 0.0
-    num_running: int = 0
-    num_waiting: int = 0
-    prefix_queries_total: float = 0.0
-    prefix_hits_total: float = 0.0
-    preemptions_total: float = 0.0
     scraped_at: float = 0.0
+
+    @classmethod
+    def from_metrics(
+        cls, engine_id: str, metrics: VllmMetrics, *, healthy: bool, scraped_at: float
+    ) -> EngineSnapshot:
+        """The one way a reading becomes a snapshot (the router's registry and the cluster simulator)."""
+        values = {f.name: getattr(metrics, f.name) for f in fields(VllmMetrics)}
+        return cls(engine_id=engine_id, healthy=healthy, scraped_at=scraped_at, **values)
 
     @property
     def kv_used_tokens(self) -> float:

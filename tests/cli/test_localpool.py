@@ -12,6 +12,7 @@ from misat_cli.localpool import LocalPool, PoolError, load_manifest, local_pool,
 from misat_cli.up import main as up_main
 from misat_operator.render import PoolRef, build_router_config
 from misat_router.policy.settings import PolicyName
+from tests.support.processes import taken_port
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "mixed-pool.yaml"
@@ -94,13 +95,8 @@ async def test_local_pool_serves_and_reloads_admission_live(tmp_path: Path) -> N
 
 
 def test_up_reports_a_taken_port_without_a_traceback(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    import socket
-
     manifest = small_manifest(tmp_path)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        s.listen()
-        port = s.getsockname()[1]
+    with taken_port() as port:
         code = up_main(["-f", str(manifest), "--port", str(port), "--time-scale", "200"])
     assert code == 1
     err = capsys.readouterr().err

@@ -6,10 +6,10 @@ test would dominate the run, and the machine (2 cores, shared) takes at most
 two at once. Each server is pinned to its own core and has the small KV shape
 the fidelity traces were designed for (16 blocks of 128 tokens,
 ``--max-model-len 1024``, ``--max-num-seqs 8``). Both are stopped by pid when
-the session ends, whatever the outcome (see ``misat_sim.real_vllm``).
+the session ends, whatever the outcome (see ``misat_bench.real_vllm``).
 
 Other suites (the router's e2e tests) can use ``vllm_servers`` /
-``vllm_base_urls`` from here, or call ``misat_sim.real_vllm.real_vllm_servers``
+``vllm_base_urls`` from here, or call ``misat_bench.real_vllm.real_vllm_servers``
 with their own specs.
 
 Tests marked ``e2e_last`` damage the shared servers (the router suite kills
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from misat_sim.real_vllm import RunningServer, default_specs, real_vllm_servers
+from misat_bench.real_vllm import RunningServer, default_specs, real_vllm_servers
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 FIGURES = pytest.StashKey[dict[str, object]]()
@@ -78,7 +78,7 @@ def tiny_model_dir() -> Path:
     if not model_dir.is_absolute():
         model_dir = REPO_ROOT / model_dir
     if not (model_dir / "config.json").is_file() or not (model_dir / "tokenizer.json").is_file():
-        from misat_sim.tiny_model import build
+        from misat_bench.tiny_model import build
 
         build(model_dir)
     return model_dir

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from misat_sim.fidelity import (
+from misat_bench.fidelity import (
     FIRST_TOKEN_ID,
     M_PREEMPTIONS,
     M_PREFIX_HITS,
@@ -38,7 +38,7 @@ from misat_sim.fidelity import (
     run_trace,
     thrash_trace,
 )
-from misat_sim.real_vllm import VllmServerSpec, server_command, server_env
+from misat_bench.real_vllm import VllmServerSpec, server_command, server_env
 
 MODEL = "tiny"
 BLOCK = 128

@@ -36,12 +36,14 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from misat_router.app import STATE, create_app
+from misat_bench.fidelity import M_PREEMPTIONS, M_PREFIX_HITS, M_PREFIX_QUERIES, M_SUCCESS, parse_metrics
+from misat_bench.real_vllm import CPU_BLOCK_SIZE, RunningServer
+from misat_router.app import create_app
 from misat_router.config import RouterConfig
-from misat_sim.fidelity import M_PREEMPTIONS, M_PREFIX_HITS, M_PREFIX_QUERIES, parse_metrics
-from misat_sim.real_vllm import CPU_BLOCK_SIZE, RunningServer
+from misat_router.state import STATE
 from misat_sim.trainer import Trainer, TrainerConfig
 from misat_sim.workload import AgenticShape, RolloutClass, Workload, WorkloadSpec
+from tests.support.router_config import router_config as shared_router_config
 
 MODEL = "tiny"
 MAX_MODEL_LEN = 1024
@@ -49,7 +51,6 @@ MAX_MODEL_LEN = 1024
 KV_CAPACITY_TOKENS = 16 * CPU_BLOCK_SIZE
 """Per engine: 16 blocks x 128 tokens."""
 ADMIN_TOKEN = "e2e-admin-token"
-M_SUCCESS = "vllm:request_success_total"
 
 READY_TIMEOUT_S = 30.0
 """Router start: both engines healthy and scraped (a scrape every 0.25 s)."""
@@ -74,6 +75,12 @@ def _ids(seed: int, n: int) -> list[int]:
 
 # ----------------------------------------------------------------------------- configs
 
+E2E_CLASSES = (
+    {"name": "agentic", "share": 48.6, "multi_turn": True, "bootstrap_footprint_tokens": 512},
+    {"name": "rlvr", "share": 33.1, "bootstrap_footprint_tokens": 512},
+    {"name": "rlhf", "share": 18.3, "bootstrap_footprint_tokens": 256},
+)
+
 
 def router_config(urls: list[str], policy: str = "misa-t", generation: int = 1, **policy_knobs: Any) -> RouterConfig:
     """The router config of every test: three classes, CPU block size, slow-machine timeouts.
@@ -82,30 +89,25 @@ def router_config(urls: list[str], policy: str = "misa-t", generation: int = 1, 
     tokens), so MISA-T's caps are right from the first request: floor(2048 x 0.9
     / 512) = 3 sessions per engine, 12 of the 16 blocks.
     """
-    return RouterConfig.model_validate(
-        {
-            "generation": generation,
-            "model": MODEL,
-            "engines": {"urls": urls},
-            "workloads": {
-                "classes": [
-                    {"name": "agentic", "share": 48.6, "multi_turn": True, "bootstrap_footprint_tokens": 512},
-                    {"name": "rlvr", "share": 33.1, "bootstrap_footprint_tokens": 512},
-                    {"name": "rlhf", "share": 18.3, "bootstrap_footprint_tokens": 256},
-                ],
-                "default_class": "rlvr",
-            },
-            "policy": {"name": policy, "prefix": {"block_size": CPU_BLOCK_SIZE}, **policy_knobs},
-            "scrape_interval_s": 0.25,
-            # A loaded 2-core machine answers /health and /metrics late; a dead
-            # engine still leaves rotation at once through connection errors.
-            "scrape_timeout_s": 5.0,
-            "health_interval_s": 0.5,
-            "health_timeout_s": 5.0,
-            "unhealthy_after_failures": 2,
-            "hold_deadline_s": 240.0,
-            "drain_timeout_s": 5.0,
-        }
+    return shared_router_config(
+        urls,
+        policy=policy,
+        policy_settings={"prefix": {"block_size": CPU_BLOCK_SIZE}, **policy_knobs},
+        epoch_s=None,
+        fast=False,
+        model=MODEL,
+        classes=E2E_CLASSES,
+        default_class="rlvr",
+        generation=generation,
+        scrape_interval_s=0.25,
+        # A loaded 2-core machine answers /health and /metrics late; a dead
+        # engine still leaves rotation at once through connection errors.
+        scrape_timeout_s=5.0,
+        health_interval_s=0.5,
+        health_timeout_s=5.0,
+        unhealthy_after_failures=2,
+        hold_deadline_s=240.0,
+        drain_timeout_s=5.0,
     )
 
 

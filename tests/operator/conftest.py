@@ -25,12 +25,12 @@ from aiohttp import web
 from kmock._internal.dicts import merge_patch_dict
 
 from misat_operator.render import PoolRef
-from misat_router import app as router_app
-from misat_router.app import STATE, RouterState, create_app
-from misat_router.config import EnginesConfig, RouterConfig
-from misat_router.policy.settings import ClassSpec, WorkloadMix
+from misat_router import lifecycle as router_lifecycle
+from misat_router.app import create_app
+from misat_router.state import STATE, RouterState
 from misat_sim.config import SimEngineConfig
 from misat_sim.server import start_server
+from tests.support.router_config import router_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -228,17 +228,15 @@ async def live_router(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[LiveRout
             raise OSError(f"cannot resolve {ref.name}")
         return list(dns[ref.name])
 
-    monkeypatch.setattr(router_app, "resolve_service", fake_resolve)
+    monkeypatch.setattr(router_lifecycle, "resolve_service", fake_resolve)
     engines = [
         await start_server(SimEngineConfig(profile="tiny-cpu", served_model_name="policy", seed=i))
         for i in range(2)
     ]
-    config = RouterConfig(
-        model="policy",
-        engines=EnginesConfig(urls=tuple(e.base_url for e in engines)),
-        workloads=WorkloadMix(classes=(ClassSpec(name="rlvr", share=100.0),)),
-        scrape_interval_s=0.1,
-        health_interval_s=0.1,
+    # Project defaults (generation 0, the default policy and epoch), one class, probes every 0.1 s.
+    config = router_config(
+        [e.base_url for e in engines], policy=None, epoch_s=None, fast=False, generation=None, model="policy",
+        classes=[{"name": "rlvr", "share": 100.0}], scrape_interval_s=0.1, health_interval_s=0.1,
     )
     app = create_app(config, admin_token="not-mounted-yet")
     runner = web.AppRunner(app, access_log=None)

@@ -45,7 +45,7 @@ def make_runner(
 
 
 def engines(n: int = 1, capacity: int = 10_000, **kw: object) -> dict[str, EngineSnapshot]:
-    return {f"e{i}": EngineSnapshot(f"e{i}", kv_capacity_tokens=capacity, **kw) for i in range(n)}  # type: ignore[arg-type]
+    return {f"e{i}": EngineSnapshot(engine_id=f"e{i}", kv_capacity_tokens=capacity, **kw) for i in range(n)}  # type: ignore[arg-type]
 
 
 def req(cls: str, session: str | None = None, turn: int = 0, prompt: int = 32, **kw: object) -> RequestMeta:
@@ -190,7 +190,7 @@ def _feed_hits(runner: PolicyRunner, eng_id: str, rates: list[float], t0: float,
     for i, rate in enumerate(rates):
         state["q"] += 1000
         state["h"] += 1000 * rate
-        snap = EngineSnapshot(eng_id, kv_capacity_tokens=10_000, prefix_queries_total=state["q"],
+        snap = EngineSnapshot(engine_id=eng_id, kv_capacity_tokens=10_000, prefix_queries_total=state["q"],
                               prefix_hits_total=state["h"], scraped_at=t0 + i)
         runner.on_metrics({eng_id: snap}, t0 + i)
         factors.append(runner.policy.guards[eng_id].factor)  # type: ignore[attr-defined]
@@ -209,7 +209,7 @@ def test_hit_rate_drop_cuts_new_session_cap_only_after_confirmation_then_recover
     assert factors[0] < 1.0
     cut = factors[0]
     policy = runner.policy
-    snap = EngineSnapshot("e0", kv_capacity_tokens=10_000)
+    snap = EngineSnapshot(engine_id="e0", kv_capacity_tokens=10_000)
     assert policy.new_session_cap("e0", snap, 1000.0) < policy.session_cap(snap, 1000.0)  # type: ignore[attr-defined]
     factors = _feed_hits(runner, "e0", [0.9] * 20, 30.0, state)
     assert factors[0] > cut and factors[-1] == 1.0
@@ -269,7 +269,7 @@ def test_router_restart_reattaches_continuations() -> None:
 
 def test_no_healthy_engine_holds() -> None:
     runner = make_runner()
-    eng = {"e0": EngineSnapshot("e0", healthy=False, kv_capacity_tokens=10_000)}
+    eng = {"e0": EngineSnapshot(engine_id="e0", healthy=False, kv_capacity_tokens=10_000)}
     assert runner.submit(req("rlvr"), eng, 0.0).reason is Reason.HOLD_NO_ENGINE
 
 

@@ -83,7 +83,7 @@ def snapshot_set(seed: int, now: float) -> dict[str, EngineSnapshot]:
     for i, e in enumerate(ENGINES):
         bits = (seed >> i) & 0b1
         out[e] = EngineSnapshot(
-            e,
+            engine_id=e,
             healthy=not (bits and i == (seed % 3)),
             kv_capacity_tokens=20_000,
             num_running=(seed // 7 + i) % 5,

@@ -4,8 +4,9 @@ the real router app on loopback, and the "everything returned to zero" check.
 - ``SimEngine``: a ``misat_sim`` engine served here (``misat_sim.server.create_app``) so that
   it can be killed abruptly (every connection aborted, listener closed: what a crashed pod
   looks like to the router) and restarted on the same port.
-- ``MisbehavingEngine``: a small vLLM look-alike whose ``/metrics`` can be slow, empty or
-  garbage, and whose generation, ``/v1/models`` and ``/reset_prefix_cache`` can stall.
+- ``misbehaving``: fake engines (``tests.support.fake_engine.FakeEngine``) whose ``/metrics``
+  can be slow, empty or garbage, and whose generation, ``/v1/models`` and
+  ``/reset_prefix_cache`` can stall.
 - ``RouterUnderTest``: ``misat_router.app.create_app`` on a loopback port.
 - ``assert_drained``: no request, hold, session or KV charge left anywhere: dispatcher,
   runner, policy books, ``/status`` and the ``/metrics`` gauges.
@@ -15,10 +16,8 @@ Every wait is bounded and waits on a condition (``RouterState.wait_until`` or an
 
 from __future__ import annotations
 
-import asyncio
-import json
+import functools
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -27,37 +26,23 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 from prometheus_client.parser import text_string_to_metric_families
 
-from misat_router.app import STATE, RouterState, create_app
+from misat_router.app import create_app
 from misat_router.config import RouterConfig
+from misat_router.state import STATE, RouterState
 from misat_sim.config import SimEngineConfig
 from misat_sim.server import create_app as create_sim_app
+from tests.support.fake_engine import FakeEngine
+from tests.support.router_config import router_config as shared_router_config
 
 MODEL = "sim-tiny"
 WAIT_S = 10.0
 """Bound of every wait; a healthy run takes a fraction of it."""
 
 
-def router_config(urls: list[str], **overrides: Any) -> RouterConfig:
-    """MISA-T in front of ``urls`` with fast epochs; probe settings are the documented defaults."""
-    policy = overrides.pop("policy", {})
-    base: dict[str, Any] = {
-        "generation": 1,
-        "model": MODEL,
-        "engines": {"urls": urls},
-        "workloads": {
-            "classes": [
-                {"name": "rlvr", "share": 40},
-                {"name": "rlhf", "share": 20},
-                {"name": "agentic", "share": 40, "multi_turn": True},
-            ],
-            "default_class": None,
-        },
-        "policy": {"name": "misa-t", "admission": {"epoch_s": 0.05}, **policy},
-        "hold_deadline_s": 10.0,
-        "drain_timeout_s": 1.0,
-    }
-    base.update(overrides)
-    return RouterConfig.model_validate(base)
+router_config = functools.partial(
+    shared_router_config, policy="misa-t", fast=False, model=MODEL, hold_deadline_s=10.0, drain_timeout_s=1.0
+)
+"""MISA-T in front of ``urls`` with fast epochs; probe settings are the documented defaults."""
 
 
 # ---- engines --------------------------------------------------------------------------
@@ -123,129 +108,17 @@ async def sim_engines() -> AsyncIterator[Callable[..., Any]]:
         await e.stop()
 
 
-METRICS_PAGE = "\n".join([
-    "# TYPE vllm:num_requests_running gauge",
-    'vllm:num_requests_running{{engine="0",model_name="{m}"}} {running}.0',
-    "# TYPE vllm:num_requests_waiting gauge",
-    'vllm:num_requests_waiting{{engine="0",model_name="{m}"}} 0.0',
-    "# TYPE vllm:kv_cache_usage_perc gauge",
-    'vllm:kv_cache_usage_perc{{engine="0",model_name="{m}"}} 0.25',
-    "# TYPE vllm:cache_config_info gauge",
-    'vllm:cache_config_info{{block_size="16",engine="0",num_gpu_blocks="1000"}} 1.0',
-    "",
-])
-METRICS_MODES: dict[str, str | None] = {
-    "ok": None,
-    "empty": "",
-    "garbage": "<html><body>502 Bad Gateway</body></html>",
-    "not-vllm": "# TYPE process_cpu_seconds_total counter\nprocess_cpu_seconds_total 12.5\n",
-    "overflow": 'vllm:num_requests_running{engine="0"} 1e999\n',
-    "nan": 'vllm:kv_cache_usage_perc{engine="0"} NaN\n',
-    "negative": 'vllm:num_requests_waiting{engine="0"} -5\n',
-    "binary": "\x00\x01\x02\udcff",
-}
-"""``/metrics`` bodies by mode; ``ok`` is the real page, ``slow`` never answers."""
-
-
-@dataclass
-class MisbehavingEngine:
-    """A vLLM look-alike with switchable faults (``metrics_mode``, ``stall_*``)."""
-
-    name: str
-    metrics_mode: str = "ok"
-    stall_generation: bool = False
-    stall_after_first_chunk: bool = False
-    stall_models: bool = False
-    stall_reset: bool = False
-    fail_status: int | None = None
-    running: int = 3
-    metrics_hits: int = 0
-    generations: int = 0
-    url: str = ""
-    _hit: asyncio.Event = field(default_factory=asyncio.Event)
-    _never: asyncio.Event = field(default_factory=asyncio.Event)
-    _server: TestServer | None = None
-
-    async def wait_metrics_hits(self, n: int) -> None:
-        async with asyncio.timeout(WAIT_S):
-            while self.metrics_hits < n:
-                self._hit.clear()
-                await self._hit.wait()
-
-    async def start(self) -> None:
-        app = web.Application()
-        app.router.add_get("/health", self._health)
-        app.router.add_get("/metrics", self._metrics)
-        app.router.add_get("/v1/models", self._models)
-        app.router.add_post("/reset_prefix_cache", self._reset)
-        app.router.add_post("/v1/completions", self._generate)
-        app.router.add_post("/v1/chat/completions", self._generate)
-        self._server = TestServer(app, host="127.0.0.1")
-        await self._server.start_server()
-        self.url = str(self._server.make_url("")).rstrip("/")
-
-    async def close(self) -> None:
-        if self._server is not None:
-            await self._server.close()
-
-    async def _health(self, request: web.Request) -> web.Response:
-        return web.Response(status=200)
-
-    async def _metrics(self, request: web.Request) -> web.Response:
-        self.metrics_hits += 1
-        self._hit.set()
-        if self.metrics_mode == "slow":
-            await self._never.wait()
-        body = METRICS_MODES[self.metrics_mode]
-        if body is None:
-            body = METRICS_PAGE.format(m=MODEL, running=self.running)
-        return web.Response(body=body.encode("utf-8", "surrogateescape"), content_type="text/plain")
-
-    async def _models(self, request: web.Request) -> web.Response:
-        if self.stall_models:
-            await self._never.wait()
-        return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
-
-    async def _reset(self, request: web.Request) -> web.Response:
-        if self.stall_reset:
-            await self._never.wait()
-        return web.Response(status=200)
-
-    async def _generate(self, request: web.Request) -> web.StreamResponse:
-        body = await request.read()
-        self.generations += 1
-        if self.stall_generation:
-            await self._never.wait()
-        if self.fail_status is not None:
-            err = {"object": "error", "message": "engine says no", "type": "InternalServerError",
-                   "param": None, "code": self.fail_status}
-            return web.json_response(err, status=self.fail_status)
-        try:
-            obj = json.loads(body)
-        except ValueError:
-            return web.json_response({"object": "error", "message": "bad json"}, status=400)
-        usage = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
-        if isinstance(obj, dict) and obj.get("stream") is True:
-            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-            await resp.prepare(request)
-            await resp.write(b'data: {"choices":[{"index":0,"text":"t0 "}]}\n\n')
-            if self.stall_after_first_chunk:
-                await self._never.wait()
-            await resp.write(b'data: {"choices":[{"index":0,"text":"t1"}]}\n\n')
-            await resp.write(b'data: {"choices":[],"usage":' + json.dumps(usage).encode() + b"}\n\n")
-            await resp.write(b"data: [DONE]\n\n")
-            await resp.write_eof()
-            return resp
-        return web.json_response({"object": "text_completion", "choices": [{"index": 0, "text": "t0 t1"}],
-                                  "usage": usage})
+def misbehaving_engine(name: str) -> FakeEngine:
+    """A fake engine with a steady reported load (3 running, KV 25 % used) and 16,000 KV tokens."""
+    return FakeEngine(name, model=MODEL, num_gpu_blocks=1000, running=3, kv_usage=0.25, wait_s=WAIT_S)
 
 
 @pytest.fixture
 async def misbehaving() -> AsyncIterator[Callable[..., Any]]:
-    started: list[MisbehavingEngine] = []
+    started: list[FakeEngine] = []
 
-    async def make(n: int = 1) -> list[MisbehavingEngine]:
-        out = [MisbehavingEngine(chr(ord("a") + i)) for i in range(n)]
+    async def make(n: int = 1) -> list[FakeEngine]:
+        out = [misbehaving_engine(chr(ord("a") + i)) for i in range(n)]
         for e in out:
             await e.start()
         started.extend(out)

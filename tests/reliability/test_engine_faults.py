@@ -95,7 +95,7 @@ def in_flight_on(state: Any, engine: str, workload_class: str) -> int:
 
 async def test_engine_killed_mid_stream_under_load(sim_engines, make_router) -> None:
     engines: list[SimEngine] = await sim_engines(4, time_scale=0.5)
-    r = await make_router(router_config([e.url for e in engines], policy=POLICY))
+    r = await make_router(router_config([e.url for e in engines], policy_settings=POLICY))
     by_url = {e.url: e for e in engines}
     async with aiohttp.ClientSession() as http:
         load = Load(http, r.url)
@@ -163,7 +163,7 @@ async def test_requests_placed_on_a_silently_dead_engine_are_placed_again(sim_en
     """Killed while idle: until a health check notices, placements on it fail to connect and
     are placed again elsewhere; the first failure takes it out of rotation at once."""
     engines = await sim_engines(3)
-    r = await make_router(router_config([e.url for e in engines], policy=POLICY, health_interval_s=30.0))
+    r = await make_router(router_config([e.url for e in engines], policy_settings=POLICY, health_interval_s=30.0))
     victim = engines[0]
     await victim.kill()
     assert r.state.registry.get(victim.url).healthy  # nobody noticed yet

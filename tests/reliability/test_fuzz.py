@@ -39,10 +39,12 @@ from aiohttp import web
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from misat_router.app import STATE, create_app
+from misat_router.app import create_app
 from misat_router.server import SERVER_OPTIONS
+from misat_router.state import STATE
+from tests.support.fake_engine import FakeEngine
 
-from .conftest import is_openai_error, policy_books, router_config
+from .conftest import MODEL, is_openai_error, policy_books, router_config
 
 TOKEN = "fuzz-admin-token-0b7e"
 CLASSES = ["rlvr", "rlhf", "agentic"]
@@ -56,45 +58,13 @@ RAW_EXAMPLES = int(os.environ.get("MISAT_FUZZ_RAW_EXAMPLES", "100"))
 # ---- the target: engine + router on a private loop -------------------------------------
 
 
-async def _engine_generate(request: web.Request) -> web.StreamResponse:
-    raw = await request.read()
-    if b"engine-500" in raw:
-        return web.json_response({"object": "error", "message": "engine exploded", "code": 500}, status=500)
-    try:
-        obj = json.loads(raw)
-    except (ValueError, RecursionError):
-        return web.json_response({"object": "error", "message": "bad json", "code": 400}, status=400)
-    usage = {"prompt_tokens": 2, "completion_tokens": 1, "total_tokens": 3}
-    if isinstance(obj, dict) and obj.get("stream") is True:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        await resp.write(b'data: {"choices":[{"index":0,"text":"x"}]}\n\ndata: {"choices":[],"usage":'
-                         + json.dumps(usage).encode() + b"}\n\ndata: [DONE]\n\n")
-        await resp.write_eof()
-        return resp
-    return web.json_response({"choices": [{"index": 0, "text": "x"}], "usage": usage})
-
-
-async def _engine_metrics(request: web.Request) -> web.Response:
-    # A roomy engine, so that admission never has to hold fuzz traffic for long.
-    return web.Response(text='vllm:num_requests_running{engine="0"} 0\n'
-                        'vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="10000000"} 1\n')
-
-
-def engine_app() -> web.Application:
-    app = web.Application(client_max_size=64 * 1024 * 1024)
-    app.router.add_get("/health", _ok)
-    app.router.add_get("/metrics", _engine_metrics)
-    app.router.add_get("/v1/models", _ok)
-    app.router.add_post("/tokenize", _ok)
-    app.router.add_post("/reset_prefix_cache", _ok)
-    app.router.add_post("/v1/completions", _engine_generate)
-    app.router.add_post("/v1/chat/completions", _engine_generate)
-    return app
-
-
-async def _ok(request: web.Request) -> web.Response:
-    return web.json_response({"object": "list", "data": []})
+def fuzz_engine() -> FakeEngine:
+    """The engine behind the router: answers anything (one token), a 500 for bodies saying
+    ``engine-500``; roomy and idle, so that admission never has to hold fuzz traffic for long."""
+    engine = FakeEngine("fuzz", model=MODEL, num_gpu_blocks=10_000_000, running=0, kv_usage=0.0,
+                        max_answer_tokens=1, client_max_size=64 * 1024 * 1024)
+    engine.fail_marker = b"engine-500"
+    return engine
 
 
 @dataclass
@@ -104,6 +74,7 @@ class Target:
     port: int = 0
     app: web.Application | None = None
     http: aiohttp.ClientSession | None = None
+    engine: FakeEngine | None = None
     runners: list[web.AppRunner] = field(default_factory=list)
     sent: Counter[str] = field(default_factory=Counter)
     statuses: Counter[int] = field(default_factory=Counter)
@@ -114,15 +85,12 @@ class Target:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=120)
 
     async def start(self) -> None:
-        eng = web.AppRunner(engine_app(), access_log=None)
-        await eng.setup()
-        site = web.TCPSite(eng, "127.0.0.1", 0)
-        await site.start()
-        engine_url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+        self.engine = fuzz_engine()
+        await self.engine.start()
         cfg = router_config(
-            [engine_url], max_body_bytes=MAX_BODY, hold_deadline_s=5.0,
-            policy={"footprint": {"bootstrap_tokens": 64},
-                    "admission": {"epoch_s": 0.05, "session_idle_timeout_s": 0.5}},
+            [self.engine.url], max_body_bytes=MAX_BODY, hold_deadline_s=5.0,
+            policy_settings={"footprint": {"bootstrap_tokens": 64},
+                             "admission": {"epoch_s": 0.05, "session_idle_timeout_s": 0.5}},
         )
         self.app = create_app(cfg, admin_token=TOKEN)
         router = web.AppRunner(self.app, **SERVER_OPTIONS)  # type: ignore[arg-type]  # as `misat router` serves
@@ -131,7 +99,7 @@ class Target:
         await rsite.start()
         self.port = rsite._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         self.url = f"http://127.0.0.1:{self.port}"
-        self.runners = [router, eng]
+        self.runners = [router]
         self.http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=32))
         state = self.app[STATE]
         await state.wait_until(lambda: state.registry.healthy_count() == 1, 10.0)
@@ -141,6 +109,8 @@ class Target:
         await self.http.close()
         for r in self.runners:
             await r.cleanup()
+        if self.engine is not None:
+            await self.engine.close()
 
 
 @pytest.fixture(scope="module")

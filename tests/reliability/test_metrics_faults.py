@@ -15,18 +15,20 @@ import logging
 import aiohttp
 import pytest
 
-from .conftest import METRICS_MODES, MODEL, MisbehavingEngine, RouterUnderTest, router_config
+from tests.support.fake_engine import METRICS_MODES, FakeEngine
+
+from .conftest import MODEL, RouterUnderTest, router_config
 
 POLICY = {"footprint": {"bootstrap_tokens": 256}}
 BAD_MODES = ["slow", *(m for m in METRICS_MODES if m != "ok")]
 
 
-def warnings_about(caplog: pytest.LogCaptureFixture, engine: MisbehavingEngine) -> list[str]:
+def warnings_about(caplog: pytest.LogCaptureFixture, engine: FakeEngine) -> list[str]:
     return [rec.getMessage() for rec in caplog.records
             if rec.levelno >= logging.WARNING and engine.url in rec.getMessage() and "metrics" in rec.getMessage()]
 
 
-async def place_on_both(http: aiohttp.ClientSession, r: RouterUnderTest, engines: list[MisbehavingEngine]) -> None:
+async def place_on_both(http: aiohttp.ClientSession, r: RouterUnderTest, engines: list[FakeEngine]) -> None:
     """Concurrent requests: MISA-T spreads them by in-flight load over both engines."""
 
     async def one(i: int) -> str:
@@ -44,7 +46,7 @@ async def test_bad_metrics_fall_back_logged_once(
     misbehaving, make_router, caplog: pytest.LogCaptureFixture, mode: str
 ) -> None:
     good, bad = await misbehaving(2)
-    r = await make_router(router_config([good.url, bad.url], policy=POLICY,
+    r = await make_router(router_config([good.url, bad.url], policy_settings=POLICY,
                                         scrape_interval_s=0.02, scrape_timeout_s=0.1))
     reg = r.state.registry
     await r.wait(lambda: all(reg.get(e.url).metrics is not None for e in (good, bad)))
@@ -90,7 +92,7 @@ async def test_never_scraped_engine_keeps_the_policy_event_log_bounded(misbehavi
     metrics never work must not make that log grow with every request."""
     (bad,) = await misbehaving(1)
     bad.metrics_mode = "garbage"
-    r = await make_router(router_config([bad.url], policy={"footprint": {"bootstrap_tokens": 256}},
+    r = await make_router(router_config([bad.url], policy_settings={"footprint": {"bootstrap_tokens": 256}},
                                         scrape_interval_s=0.02))
     await r.wait(lambda: r.state.registry.get(bad.url).scrape_failed_at is not None)
     async with aiohttp.ClientSession() as http:

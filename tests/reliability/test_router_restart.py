@@ -35,7 +35,7 @@ def decisions(metrics_text: str, reason: str) -> float:
 
 async def start_pool(sim_engines, make_router, **overrides: object) -> tuple[list, RouterUnderTest, object]:
     engines = await sim_engines(2)
-    cfg = router_config([e.url for e in engines], policy=POLICY, **overrides)
+    cfg = router_config([e.url for e in engines], policy_settings=POLICY, **overrides)
     return engines, await make_router(cfg), cfg
 
 

@@ -174,7 +174,7 @@ STALL_TIMEOUT_S = 0.3
 async def stalled(misbehaving, make_router):
     (engine,) = await misbehaving(1)
     r = await make_router(router_config([engine.url], upstream_timeout_s=STALL_TIMEOUT_S,
-                                        scrape_timeout_s=STALL_TIMEOUT_S, policy={"name": "least-loaded"}),
+                                        scrape_timeout_s=STALL_TIMEOUT_S, policy="least-loaded"),
                           admin_token=TOKEN)
     return engine, r
 

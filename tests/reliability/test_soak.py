@@ -1,4 +1,4 @@
-"""The bounded soak (bench/soak.py) as a test: ``pytest -m slow tests/reliability/test_soak.py``.
+"""The bounded soak (``misat_bench.soak``) as a test: ``pytest -m slow tests/reliability/test_soak.py``.
 
 ``MISAT_SOAK_S`` (default 600) sets the duration and ``MISAT_SOAK_SESSIONS`` (default 1000)
 the concurrent streaming sessions; warm-up is 10 % of the duration (at least 30 s when
@@ -9,7 +9,6 @@ pre-load count, no request failed, and every count drained to zero.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -18,16 +17,7 @@ from pathlib import Path
 
 import pytest
 
-SOAK = Path(__file__).resolve().parents[2] / "bench" / "soak.py"
-
-
-def load_soak():  # bench/ is scripts, not a package
-    spec = importlib.util.spec_from_file_location("misat_bench_soak", SOAK)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up while the class is made
-    spec.loader.exec_module(mod)
-    return mod
+from misat_bench import soak
 
 
 @pytest.mark.slow
@@ -36,7 +26,7 @@ def test_soak(tmp_path: Path) -> None:
     # `misat router` runs it (pytest's loop would be the stdlib one).
     duration = float(os.environ.get("MISAT_SOAK_S", "600"))
     out = tmp_path / "soak.json"
-    cmd = [sys.executable, "-P", str(SOAK), "--sessions", os.environ.get("MISAT_SOAK_SESSIONS", "1000"),
+    cmd = [sys.executable, "-P", "-m", "misat_bench.soak", "--sessions", os.environ.get("MISAT_SOAK_SESSIONS", "1000"),
            "--duration", str(duration), "--warmup", str(min(max(30.0, duration * 0.1), duration / 2)),
            "--json", str(out)]
     subprocess.run(cmd, check=False, timeout=duration * 3 + 300)
@@ -46,14 +36,13 @@ def test_soak(tmp_path: Path) -> None:
     assert report["config"]["loop"] == "uvloop"
     assert report["requests"] > 0 and report["errors"] == 0, summary
     assert report["drained"], report["leftovers"]
-    assert report["rss_growth"] < load_soak().RSS_GROWTH_LIMIT, summary
+    assert report["rss_growth"] < soak.RSS_GROWTH_LIMIT, summary
     assert report["fds_after_drain"] <= report["fds_before"] + 16, summary
     assert report["overhead_p99_s"] is not None
 
 
 async def test_soak_script_runs_and_drains() -> None:
     """A seconds-long soak in one process: the script works and its accounting drains (not its figures)."""
-    soak = load_soak()
     cfg = soak.SoakConfig(sessions=20, duration_s=4.0, warmup_s=1.0, engines=2, sample_every_s=1.0,
                           engine_processes=False, client_process=False)
     report = await soak.run_soak(cfg, log=lambda _: None)

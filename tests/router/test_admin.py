@@ -11,7 +11,10 @@ import aiohttp
 import pytest
 import yaml
 
-from .conftest import MODEL, FakeEngine, open_parked_stream, router_config
+from tests.support.fake_engine import FakeEngine
+from tests.support.router_config import MODEL, router_config
+
+from .conftest import open_parked_stream
 
 TOKEN = "s3cret-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

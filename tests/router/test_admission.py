@@ -7,7 +7,10 @@ import time
 
 import aiohttp
 
-from .conftest import MODEL, WAIT_S, FakeEngine, open_parked_stream
+from tests.support.fake_engine import FakeEngine
+from tests.support.router_config import MODEL
+
+from .conftest import WAIT_S, open_parked_stream
 
 LIMIT_ONE = {"concurrency_limit": 1}
 
@@ -25,7 +28,7 @@ async def test_held_requests_are_released_in_arrival_order(
 ) -> None:
     eng = engines[0]
     eng.gate = asyncio.Event()
-    h = await make_router([eng], policy=LIMIT_ONE)
+    h = await make_router([eng], policy_settings=LIMIT_ONE)
     async with aiohttp.ClientSession() as http:
         first = asyncio.create_task(post(http, h.url, [0]))
         await eng.wait_arrivals(1)
@@ -51,7 +54,7 @@ async def test_hold_deadline_gives_503_with_retry_after(
 ) -> None:
     eng = engines[0]
     eng.gate = asyncio.Event()
-    h = await make_router([eng], policy=LIMIT_ONE, hold_deadline_s=0.2, hold_retry_after_s=7)
+    h = await make_router([eng], policy_settings=LIMIT_ONE, hold_deadline_s=0.2, hold_retry_after_s=7)
     async with aiohttp.ClientSession() as http:
         first = asyncio.create_task(post(http, h.url, [0]))
         await eng.wait_arrivals(1)
@@ -75,7 +78,7 @@ async def test_client_disconnect_while_held_frees_the_slot(
 ) -> None:
     eng = engines[0]
     eng.gate = asyncio.Event()
-    h = await make_router([eng], policy=LIMIT_ONE)
+    h = await make_router([eng], policy_settings=LIMIT_ONE)
     async with aiohttp.ClientSession() as http:
         first = asyncio.create_task(post(http, h.url, [0]))
         await eng.wait_arrivals(1)
@@ -100,7 +103,7 @@ async def test_client_disconnect_mid_stream_releases_the_placement(
 ) -> None:
     eng = engines[0]
     eng.mid_stream_gate = asyncio.Event()
-    h = await make_router([eng], policy=LIMIT_ONE)
+    h = await make_router([eng], policy_settings=LIMIT_ONE)
     async with aiohttp.ClientSession() as http:
         resp, first = await open_parked_stream(http, h.url)
         assert first.startswith(b"data: ")
@@ -194,7 +197,7 @@ async def test_shutdown_drains_in_flight_and_refuses_held(
 ) -> None:
     eng = engines[0]
     eng.gate = asyncio.Event()
-    h = await make_router([eng], policy=LIMIT_ONE, drain_timeout_s=WAIT_S)
+    h = await make_router([eng], policy_settings=LIMIT_ONE, drain_timeout_s=WAIT_S)
     async with aiohttp.ClientSession() as http:
         first = asyncio.create_task(post(http, h.url, [0]))
         await eng.wait_arrivals(1)

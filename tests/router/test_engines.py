@@ -5,9 +5,8 @@ from __future__ import annotations
 import pytest
 
 from misat_router.engines import EngineRegistry, engine_url
-from misat_router.scrape import VllmMetrics, parse_vllm_metrics
-
-from .conftest import FakeEngine
+from misat_router.vllm_metrics import VllmMetrics, parse_vllm_metrics
+from tests.support.fake_engine import FakeEngine
 
 TWO_ENGINES = """\
 # TYPE vllm:num_requests_running gauge
@@ -41,7 +40,7 @@ def test_parse_sums_internal_engines_and_weights_kv_usage() -> None:
 
 
 def test_parse_fake_engine_page_and_missing_metrics() -> None:
-    m = parse_vllm_metrics(FakeEngine("x")._metrics_text())
+    m = parse_vllm_metrics(FakeEngine("x").metrics_text())
     assert m.kv_capacity_tokens == 64 * 16 and m.num_running == 0
     assert parse_vllm_metrics("") == VllmMetrics()
 

@@ -10,7 +10,8 @@ import openai
 import pytest
 from openai import AsyncOpenAI
 
-from .conftest import MODEL, FakeEngine
+from tests.support.fake_engine import FakeEngine
+from tests.support.router_config import MODEL
 
 _open_clients: list[AsyncOpenAI] = []
 

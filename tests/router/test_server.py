@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
 
 from misat_router.server import main
-
-from .conftest import router_config
+from tests.support.processes import taken_port
+from tests.support.router_config import router_config
 
 
 def test_bad_config_exits_non_zero_with_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -24,10 +23,7 @@ def test_bad_config_exits_non_zero_with_one_line(tmp_path: Path, capsys: pytest.
 def test_taken_port_exits_non_zero(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     cfg = tmp_path / "router.json"
     cfg.write_text(router_config(["http://127.0.0.1:9"]).model_dump_json())
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        s.listen()
-        port = s.getsockname()[1]
+    with taken_port() as port:
         assert main(["--config", str(cfg), "--host", "127.0.0.1", "--port", str(port)]) == 1
     err = capsys.readouterr().err
     assert "cannot listen" in err

@@ -7,8 +7,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from misat_router.status import RouterStatus, SampleRateMeter
-
-from .conftest import BLOCK_SIZE, MODEL, NUM_GPU_BLOCKS, FakeEngine
+from tests.support.fake_engine import BLOCK_SIZE, NUM_GPU_BLOCKS, FakeEngine
+from tests.support.router_config import MODEL
 
 
 async def _traffic(url: str) -> None:
@@ -74,7 +74,7 @@ async def test_health_is_alive_and_ready_needs_an_engine(engines: list[FakeEngin
 
 
 async def test_misa_t_places_and_reports_class_budgets(engines: list[FakeEngine], make_router) -> None:
-    h = await make_router(engines, policy={"name": "misa-t"})
+    h = await make_router(engines, policy="misa-t")
     # Wait for a scrape, so the policy knows the engines' KV capacity.
     await h.wait(lambda: all(
         (st := h.state.registry.get(e.url)) is not None and st.metrics is not None for e in engines))

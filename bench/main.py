@@ -6,12 +6,12 @@ the baseline the paper used, on the same engines and the same seeded
 workload. Two layers (``docs/benchmark.md``):
 
 1. cluster: ``misat_sim.cluster`` in virtual time, every workload of the
-   suite (``misat_sim.bench_suite``), every baseline (oracle sweep,
+   suite (``misat_bench.suite``), every baseline (oracle sweep,
    tuned-once, request-limit, high-load, balance thresholds) and this
    router's modes. Each run builds fresh engines.
 2. http: the real ``vllm-router`` binary and this project's router service in
    front of simulated engines over HTTP, driven by the trainer emulator
-   (``misat_sim.bench_http``); it validates the cluster layer.
+   (``misat_bench.http_layer``); it validates the cluster layer.
 
 Output under ``--out`` (default ``out/bench``): ``result.json``
 (``BenchResult``), ``bench.png``, ``table.md``, and a per-run cache
@@ -28,9 +28,9 @@ from pathlib import Path
 
 from rich.console import Console
 
-from misat_sim.bench_cluster import RunCache, RunRecord, dump_records, run_all
-from misat_sim.bench_report import BenchResult, markdown_table, plot, render_table, summarise
-from misat_sim.bench_suite import (
+from misat_bench.cluster_runs import RunCache, RunRecord, dump_records, run_all
+from misat_bench.report import BenchResult, markdown_table, plot, render_table, summarise
+from misat_bench.suite import (
     QUICK,
     Baseline,
     BenchSettings,
@@ -83,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--report-only", action="store_true",
                    help="run nothing: table, JSON and plot from the cached runs (a suite cut short)")
-    from misat_sim.bench_http import add_http_arguments
+    from misat_bench.http_layer import add_http_arguments
 
     add_http_arguments(p)
     return p
@@ -154,8 +154,11 @@ def run_cluster_layer(s: BenchSettings, *, jobs: int, cache: RunCache, out: Path
         records += stage("small-fleet balance elsewhere", [
             r for r in tuned_runs(s, oracle, steady_limit, steady_balance)
             if r.baseline is Baseline.BALANCE_SMALL and r.workload is not WorkloadName.STEADY])
-    tuned = {"oracle_ceiling": {w.value: c for w, c in oracle.items()}, "steady_request_limit": steady_limit,
-             "steady_balance": list(steady_balance) if steady_balance else None}
+    tuned: dict[str, object] = {
+        "oracle_ceiling": {w.value: c for w, c in oracle.items()},
+        "steady_request_limit": steady_limit,
+        "steady_balance": list(steady_balance) if steady_balance else None,
+    }
     # One record per key: the stages list some runs twice (a swept ceiling reused as tuned-once).
     unique = {(r.key, r.spec.baseline, r.spec.label): r for r in records}
     return list(unique.values()), tuned
@@ -181,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         result.cpu_s_total = sum(r.cpu_s for r in records)
     http_rows = []
     if args.layer in ("http", "all"):
-        from misat_sim.bench_http import run_http_layer
+        from misat_bench.http_layer import run_http_layer
 
         http = run_http_layer(args, s, console)
         result.http = http.model_dump(mode="json")

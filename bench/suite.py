@@ -13,7 +13,7 @@ Layers (``docs/benchmark.md``):
   (``router/policy/cache_aware.py``) and of its ``--max-concurrent-requests``
   (``PolicySettings.concurrency_limit``). Sweeps are cheap here.
 - http: the same seeded workload through the real ``vllm-router`` binary and
-  through this project's router service (``misat_sim.bench_http``).
+  through this project's router service (``misat_bench.http_layer``).
 
 The oracle sweep is adaptive: a coarse grid of trainer ceilings, then
 midpoints around the best point (``refine_ceilings``), so the suite is built

@@ -13,11 +13,10 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from misat_router.policy.settings import PolicyName
-from misat_sim.bench import main
-from misat_sim.bench_http import engine_fleet, find_vllm_router, router_process, vllm_router_command
-from misat_sim.bench_report import BenchResult
-from misat_sim.bench_suite import (
+from misat_bench.http_layer import engine_fleet, find_vllm_router, router_process, vllm_router_command
+from misat_bench.main import main
+from misat_bench.report import BenchResult
+from misat_bench.suite import (
     BASELINES_VLLM,
     MISAT_MODES,
     QUICK,
@@ -30,6 +29,7 @@ from misat_sim.bench_suite import (
     refine_ceilings,
     tuned_runs,
 )
+from misat_router.policy.settings import PolicyName
 from misat_sim.config import SimEngineConfig
 
 
@@ -114,7 +114,7 @@ async def test_vllm_router_binary_forwards_a_token_id_completion(tmp_path: Path)
         pytest.skip("vllm-router binary not installed: pip install -e '.[bench]' (PyPI vllm-router)")
     cfg = SimEngineConfig(time_scale=50.0)
     async with engine_fleet(cfg, 1) as fleet:
-        from misat_sim.bench_http import free_port
+        from misat_cli.processes import free_port
 
         port = free_port()
         cmd = vllm_router_command(binary, fleet.urls, port, time_scale=cfg.time_scale)

@@ -33,7 +33,7 @@ Three traces are provided, all for a server with 16 KV blocks of 128 tokens,
 (fixed overhead per step, time per prefill token, time per decoding sequence)
 that the simulator's ``tiny-cpu`` profile uses.
 
-CLI: ``python -P -m misat_sim.fidelity --base-url URL --trace NAME --json OUT``;
+CLI: ``python -P -m misat_bench.fidelity --base-url URL --trace NAME --json OUT``;
 ``--calibrate`` (step-time constants), ``--compare REAL.json SIM.json`` (goals).
 """
 
@@ -54,6 +54,8 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel, ConfigDict, Field
 
+from misat_router import vllm_metrics as vm
+
 FIRST_TOKEN_ID: int = 3
 """Prompt ids start here: 0..2 are the tiny model's special tokens."""
 VOCAB_SIZE: int = 2048
@@ -66,28 +68,24 @@ REQUEST_TIMEOUT_S: float = 300.0
 SETTLE_TIMEOUT_S: float = 10.0
 """Bound on waiting for the server's counters to account every finished request."""
 
-# vLLM metric names (docs/real-vllm.md); the simulator must expose the same.
-M_WAITING = "vllm:num_requests_waiting"
-M_RUNNING = "vllm:num_requests_running"
-M_KV_USAGE = "vllm:kv_cache_usage_perc"
-M_PREEMPTIONS = "vllm:num_preemptions_total"
-M_PREFIX_QUERIES = "vllm:prefix_cache_queries_total"
-M_PREFIX_HITS = "vllm:prefix_cache_hits_total"
-M_SUCCESS = "vllm:request_success_total"
-M_PROMPT_TOKENS = "vllm:prompt_tokens_total"
-M_GENERATION_TOKENS = "vllm:generation_tokens_total"
+# Sample names read off both servers, from the vLLM metrics contract (misat_router.vllm_metrics).
+M_WAITING = vm.NUM_REQUESTS_WAITING.sample
+M_RUNNING = vm.NUM_REQUESTS_RUNNING.sample
+M_KV_USAGE = vm.KV_CACHE_USAGE.sample
+M_PREEMPTIONS = vm.NUM_PREEMPTIONS.sample
+M_PREFIX_QUERIES = vm.PREFIX_CACHE_QUERIES.sample
+M_PREFIX_HITS = vm.PREFIX_CACHE_HITS.sample
+M_SUCCESS = vm.REQUEST_SUCCESS.sample
+M_PROMPT_TOKENS = vm.PROMPT_TOKENS.sample
+M_GENERATION_TOKENS = vm.GENERATION_TOKENS.sample
 COUNTERS: tuple[str, ...] = (
     M_PREEMPTIONS, M_PREFIX_QUERIES, M_PREFIX_HITS, M_SUCCESS, M_PROMPT_TOKENS,
     M_GENERATION_TOKENS,
 )  # fmt: skip
-HISTOGRAMS: tuple[str, ...] = (
-    "vllm:time_to_first_token_seconds",
-    "vllm:e2e_request_latency_seconds",
-    "vllm:request_queue_time_seconds",
-    "vllm:request_prefill_time_seconds",
-    "vllm:request_decode_time_seconds",
-    "vllm:inter_token_latency_seconds",
-)
+HISTOGRAMS: tuple[str, ...] = tuple(m.name for m in (
+    vm.TIME_TO_FIRST_TOKEN, vm.E2E_REQUEST_LATENCY, vm.REQUEST_QUEUE_TIME,
+    vm.REQUEST_PREFILL_TIME, vm.REQUEST_DECODE_TIME, vm.INTER_TOKEN_LATENCY,
+))
 """Latency histograms whose mean over the run is reported (when exposed)."""
 
 
@@ -623,13 +621,13 @@ async def calibrate(
         decode: dict[int, float] = {}
         for b in batches:
             runs = [await measure(b, 1 + decode_tokens, 16) for _ in range(repeats)]
-            decode[b] = min(m["vllm:request_decode_time_seconds"] for _, m in runs)
+            decode[b] = min(m[vm.REQUEST_DECODE_TIME.name] for _, m in runs)
             decode[b] /= decode_tokens
         prefill: dict[int, float] = {}
         client_prefill: dict[int, float] = {}
         for n in prompt_lens:
             runs = [await measure(1, 1, n) for _ in range(repeats)]
-            prefill[n] = min(m["vllm:request_prefill_time_seconds"] for _, m in runs)
+            prefill[n] = min(m[vm.REQUEST_PREFILL_TIME.name] for _, m in runs)
             client_prefill[n] = min(latency for latency, _ in runs)
     fixed, per_seq = _fit_line(decode)
     prefill_fixed, per_token = _fit_line(prefill)

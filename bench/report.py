@@ -13,8 +13,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from misat_sim.bench_cluster import RunRecord
-from misat_sim.bench_suite import (
+from misat_bench.cluster_runs import RunRecord
+from misat_bench.suite import (
     BASELINES_VLLM,
     MISAT_MODES,
     Baseline,

@@ -1,6 +1,6 @@
 """How fast the engine model simulates: one engine under a high, mixed load.
 
-Run ``python -m misat_sim.engine_speed`` (``--help`` for knobs). It keeps a
+Run ``python -P -m misat_bench.engine_speed`` (``--help`` for knobs). It keeps a
 fixed number of closed-loop sessions in flight on one engine: agentic
 sessions (many turns over a growing context with tool gaps), RLVR requests
 (short prompt, long output) and RLHF requests, with the paper's median shapes

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from misat_sim.bench_suite import BenchSettings, RunSpec, cluster_config
+from misat_bench.suite import BenchSettings, RunSpec, cluster_config
 from misat_sim.cluster import Cluster, ClusterConfig
 from misat_sim.report import tv_distance_points
 from misat_sim.workload import RolloutClass, SessionPlan, Workload

@@ -14,7 +14,8 @@ frozen :class:`VllmServerSpec`; effects in :func:`start_server`,
 into a context manager that always stops what it started.
 
 vLLM itself is only imported by the child process; this module needs only the
-standard library and pydantic, so it is importable from the dev venv too.
+standard library, pydantic and ``misat_cli.processes`` (the shared start of a
+child in its own process group), so it is importable from the dev venv too.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -36,6 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from misat_cli.processes import free_port, start_process
 
 CPU_BLOCK_SIZE: int = 128
 """KV block size vLLM uses on CPU (tokens); prefix hits come in these steps."""
@@ -65,7 +67,7 @@ class VllmServerSpec(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    model_dir: Path = Field(description="directory built by misat_sim.tiny_model")
+    model_dir: Path = Field(description="directory built by misat_bench.tiny_model")
     served_model_name: str = "tiny"
     host: str = "127.0.0.1"
     port: int = Field(ge=1, le=65535)
@@ -150,13 +152,6 @@ def server_env(spec: VllmServerSpec, cache_root: Path, base: Mapping[str, str] |
     return env
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
-
-
 @dataclass
 class RunningServer:
     """A started server: its spec, process, log file and private cache dir."""
@@ -202,16 +197,8 @@ def start_server(spec: VllmServerSpec, python: str = sys.executable, workdir: Pa
     workdir = workdir or Path(tempfile.mkdtemp(prefix=f"misat-vllm-{spec.port}-"))
     (workdir / "cache").mkdir(parents=True, exist_ok=True)
     log_path = workdir / "server.log"
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(
-            server_command(spec, python),
-            env=server_env(spec, workdir / "cache"),
-            cwd=workdir,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+    process = start_process(server_command(spec, python), log_path=log_path,
+                            env=server_env(spec, workdir / "cache"), cwd=workdir)
     return RunningServer(spec=spec, process=process, log_path=log_path, workdir=workdir)
 
 
@@ -344,7 +331,7 @@ def default_specs(model_dir: Path, count: int = 2, **overrides: object) -> list[
 def main(argv: list[str] | None = None) -> int:
     """Run one server in the foreground until Ctrl-C or SIGTERM (for manual fidelity runs).
 
-    ``python -P -m misat_sim.real_vllm --port 8100 --core 0`` from the e2e venv.
+    ``python -P -m misat_bench.real_vllm --port 8100 --core 0`` from the e2e venv.
     """
     import argparse
 

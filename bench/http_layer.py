@@ -29,11 +29,7 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 import shutil
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -47,9 +43,10 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 from rich.console import Console
 
+from misat_bench.report import SummaryRow
+from misat_bench.suite import BenchSettings, WorkloadName, pick_oracle
+from misat_cli.processes import free_port, start_process, stop_processes
 from misat_router.policy.settings import CacheAwareSettings, PolicyName, PolicySettings
-from misat_sim.bench_report import SummaryRow
-from misat_sim.bench_suite import BenchSettings, WorkloadName, pick_oracle
 from misat_sim.cluster import mix_for
 from misat_sim.config import SimEngineConfig
 from misat_sim.engine import SimEngine, StepResult
@@ -140,13 +137,6 @@ def find_vllm_router() -> str | None:
     if here.exists():
         return str(here)
     return shutil.which(VLLM_ROUTER_BINARY)
-
-
-def free_port() -> int:
-    """A TCP port free right now on 127.0.0.1 (the OS picks it)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # --- engines ---------------------------------------------------------------------------
@@ -259,10 +249,8 @@ def misat_router_config(urls: list[str], model: str, spec: WorkloadSpec, policy:
 
 @contextlib.asynccontextmanager
 async def router_process(cmd: list[str], port: int, health_path: str, log_path: Path) -> AsyncIterator[str]:
-    """Start a router subprocess, wait (bounded) for its health endpoint, stop it by pid on exit."""
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    """Start a router subprocess, wait (bounded) for its health endpoint, stop its process group on exit."""
+    proc = start_process(cmd, log_path=log_path)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + HEALTH_TIMEOUT_S
@@ -279,13 +267,7 @@ async def router_process(cmd: list[str], port: int, health_path: str, log_path: 
                 await asyncio.sleep(HEALTH_POLL_S)
         yield base
     finally:
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(STOP_GRACE_S)
-            except subprocess.TimeoutExpired:
-                os.kill(proc.pid, signal.SIGKILL)
-                proc.wait()
+        stop_processes([proc], STOP_GRACE_S)
 
 
 # --- one run ---------------------------------------------------------------------------
@@ -411,8 +393,8 @@ class HttpResult(BaseModel):
 
 def _cluster_rate(policy: PolicySettings, ceiling: int, h: HttpSettings, s: BenchSettings) -> float:
     """The cluster layer's figure for the same fleet, workload, duration and policy."""
-    from misat_sim.bench_cluster import run_spec
-    from misat_sim.bench_suite import Baseline, RunSpec
+    from misat_bench.cluster_runs import run_spec
+    from misat_bench.suite import Baseline, RunSpec
 
     cs = _cluster_settings(h, s)
     run = RunSpec(workload=WorkloadName.STEADY, baseline=Baseline.SWEEP, policy=policy, ceiling=ceiling,

@@ -12,7 +12,7 @@ split on whitespace) is saved alongside, so text prompts, chat and
 ``/tokenize`` work too, and token id ``i >= 3`` round-trips as the word
 ``t{i}``. The weights are seeded: the same seed gives the same files.
 
-Usage: ``python -P -m misat_sim.tiny_model OUTDIR [--seed N]``. ``-P`` keeps
+Usage: ``python -P -m misat_bench.tiny_model OUTDIR [--seed N]``. ``-P`` keeps
 the working directory off ``sys.path``: run from the repository root, the
 ``operator/`` folder would otherwise shadow the standard library's module.
 
@@ -112,7 +112,7 @@ def build(outdir: Path, seed: int = DEFAULT_SEED) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI entry: ``python -P -m misat_sim.tiny_model OUTDIR [--seed N]``."""
+    """CLI entry: ``python -P -m misat_bench.tiny_model OUTDIR [--seed N]``."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("outdir", type=Path)
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED)

@@ -1,0 +1,261 @@
+"""The router's state: what one router app owns, and the transitions that change it.
+
+``RouterState`` holds the applied config, the ``PolicyRunner``, the engine
+registry, the metrics, the ``Dispatcher`` and the upstream sessions; it is
+stored on the app under ``STATE`` (a typed ``web.AppKey``). Handlers read it
+and change it only through its methods, so every state change is one
+synchronous step between two awaits of the one event loop.
+
+All time passed to the policy is ``clock()`` (``time.monotonic`` by default).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import aiohttp
+from aiohttp import web
+
+from .config import ConfigError, RouterConfig, parse_config
+from .dispatcher import Dispatcher
+from .engines import EngineRegistry
+from .errors import ConfigRejected, RouterError, ShuttingDown
+from .metrics import RouterMetrics
+from .policy.registry import build_policy
+from .policy.runner import PolicyRunner
+from .reload import ReloadResult, changed_fields, check_reload
+from .status import RouterStatus, SampleRateMeter, build_status
+
+log = logging.getLogger(__name__)
+
+Clock = Callable[[], float]
+
+
+class RouterState:
+    """Everything one router app owns, and the transitions that change it.
+
+    Other modules read fields; they change the state only through methods:
+    ``apply_config`` / ``reload`` / ``refuse_config`` (hot reload), ``pause`` /
+    ``resume`` (weight updates), ``prefix_caches_reset``, ``begin_drain``, and
+    the engine registry's callbacks. Each transition ends with ``touch()`` so
+    ``wait_until`` observers see it.
+    """
+
+    def __init__(
+        self,
+        config: RouterConfig,
+        *,
+        admin_token: str | None,
+        config_path: Path | None = None,
+        clock: Clock = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.config_hash = config.config_hash()
+        self.admin_token = admin_token
+        self.config_path = config_path
+        self.clock = clock
+        self.last_reload_error: str | None = None
+        self.runner = PolicyRunner(build_policy(config.policy, config.workloads), config.workloads)
+        self.registry = EngineRegistry(
+            clock, on_down=self._engine_down, on_up=self._engine_up, on_removed=self._engine_removed
+        )
+        self._pending_release: dict[str, asyncio.TimerHandle] = {}
+        self.metrics = RouterMetrics(self.status)
+        self.sample_meter = SampleRateMeter(clock())
+        self.dispatcher = Dispatcher(
+            runner=self.runner,
+            registry=self.registry,
+            metrics=self.metrics,
+            sample_meter=self.sample_meter,
+            config=lambda: self.config,
+            clock=clock,
+            touch=self.touch,
+        )
+        self.engines_changed = asyncio.Event()
+        """Set by a reload that changed ``engines``: the resolver re-reads the config at once."""
+        self.upstream: aiohttp.ClientSession | None = None
+        self.probe_session: aiohttp.ClientSession | None = None
+        self._changed = asyncio.Event()
+        urls = config.engines.static_urls()
+        if urls is not None:
+            self.registry.set_engines(urls)
+
+    def touch(self) -> None:
+        """Wake everything in ``wait_until``: some observable state changed."""
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+
+    async def wait_until(self, predicate: Callable[[], bool], timeout_s: float) -> None:
+        """Wait, bounded, until ``predicate()`` holds; re-checked after every ``touch()``.
+
+        For callers that must observe a state change (tests, the admin API)
+        without polling; raises ``TimeoutError`` past ``timeout_s``.
+        """
+        async with asyncio.timeout(timeout_s):
+            while not predicate():
+                await self._changed.wait()
+
+    # ---- transitions: configuration ----------------------------------------
+
+    def apply_config(self, new: RouterConfig, source: str) -> ReloadResult:
+        """Apply ``new`` atomically (no await inside), or raise without changing anything.
+
+        What a reload keeps and what it rebuilds is described in ``reload.py``.
+        """
+        old = self.config
+        new_hash = new.config_hash()
+        # Counted in the same synchronous step as the apply: the live work the new config takes over.
+        n_in_flight, n_held = len(self.dispatcher.in_flight), self.runner.held_count()
+        if new_hash == self.config_hash:
+            return ReloadResult(False, old.generation, self.config_hash, (),
+                                requests_in_flight=n_in_flight, held_requests=n_held)
+        runner = self.runner
+        live = set(runner.active_sessions()) | {e.req.workload_class for e in runner.held()}
+        check_reload(old, new, live)
+        changes = changed_fields(old, new)
+        now = self.clock()
+        rebuilt = False
+        if old.policy != new.policy or old.workloads != new.workloads:
+            # Knob changes are applied in place (what the policy learned survives); a change
+            # of policy hands the live state (held, sessions, in flight) to a new policy object.
+            in_flight = [(f.meta, f.engine_id) for f in self.dispatcher.in_flight.values()]
+            rebuilt = runner.apply_settings(new.policy, new.workloads, now, in_flight)
+            if rebuilt:
+                runner.on_metrics(self.registry.snapshots(), now)
+        self.config = new
+        self.config_hash = new_hash
+        self.last_reload_error = None
+        if old.engines != new.engines:
+            urls = new.engines.static_urls()
+            if urls is not None:
+                self.registry.set_engines(urls)
+            self.engines_changed.set()
+        self.metrics.reloads.labels(source, "applied").inc()
+        log.info(
+            "config generation %d applied from %s (hash %s; changed: %s)",
+            new.generation, source, new_hash, ", ".join(changes) or "nothing",
+        )
+        self.dispatcher.kick()
+        self.touch()
+        return ReloadResult(True, new.generation, new_hash, changes, rebuilt,
+                            requests_in_flight=n_in_flight, held_requests=n_held)
+
+    def refuse_config(self, source: str, reason: str) -> None:
+        """Record a refused reload (shown in /status as ``last_reload_error``); the old config stays."""
+        self.last_reload_error = reason
+        self.metrics.reloads.labels(source, "refused").inc()
+        log.warning("config from %s refused, old one kept: %s", source, reason)
+        self.touch()
+
+    def reload(self, data: bytes, source: str) -> ReloadResult:
+        """Parse and apply a config document; every refusal is recorded and re-raised as a domain error."""
+        try:
+            new = parse_config(data)
+        except ConfigError as exc:
+            self.refuse_config(source, str(exc))
+            raise ConfigRejected(f"invalid config: {exc}") from None
+        try:
+            return self.apply_config(new, source)
+        except RouterError as exc:
+            self.refuse_config(source, exc.message)
+            raise
+
+    # ---- transitions: weight updates and shutdown -------------------------
+
+    def pause(self) -> None:
+        """Hold all new work (requests in flight continue)."""
+        self.runner.paused = True
+        self._admission_changed()
+
+    def resume(self) -> None:
+        """Admit again; held work is re-checked at once."""
+        self.runner.paused = False
+        self._admission_changed()
+
+    def prefix_caches_reset(self) -> None:
+        """The engines' prefix caches were reset: the policy forgets what it thought they held."""
+        self.runner.reset_prefix_caches(self.clock())
+        self.touch()
+
+    def begin_drain(self) -> None:
+        """Shutdown: refuse new work, fail held requests; in-flight ones may finish."""
+        self.dispatcher.begin_drain()
+        self.touch()
+
+    def _admission_changed(self) -> None:
+        self.dispatcher.kick()
+        self.touch()
+
+    # ---- engine registry callbacks ------------------------------------------
+
+    def _engine_down(self, engine_id: str) -> None:
+        """Out of rotation: nothing new goes there at once; the books are released after a grace."""
+        grace = self.config.release_down_engine_after_s
+        if grace <= 0:
+            self._engine_removed(engine_id)
+            return
+        if engine_id not in self._pending_release:
+            loop = asyncio.get_running_loop()
+            self._pending_release[engine_id] = loop.call_later(grace, self._release_if_still_down, engine_id)
+        self.dispatcher.kick()
+        self.touch()
+
+    def _release_if_still_down(self, engine_id: str) -> None:
+        self._pending_release.pop(engine_id, None)
+        state = self.registry.get(engine_id)
+        if state is None or not state.healthy:
+            self._engine_removed(engine_id)
+
+    def _engine_removed(self, engine_id: str) -> None:
+        handle = self._pending_release.pop(engine_id, None)
+        if handle is not None:
+            handle.cancel()
+        self.runner.remove_engine(engine_id, self.clock())
+        self.dispatcher.kick()
+        self.touch()
+
+    def _engine_up(self, engine_id: str) -> None:
+        handle = self._pending_release.pop(engine_id, None)
+        if handle is not None:
+            handle.cancel()
+        self.dispatcher.kick()
+        self.touch()
+
+    def on_scraped(self) -> None:
+        self.runner.on_metrics(self.registry.snapshots(), self.clock())
+        self.dispatcher.kick()
+        self.touch()
+
+    @property
+    def ready(self) -> bool:
+        return self.registry.healthy_count() > 0 and not self.dispatcher.draining
+
+    def session(self) -> aiohttp.ClientSession:
+        if self.upstream is None:
+            raise ShuttingDown("router is not running")
+        return self.upstream
+
+    def status(self) -> RouterStatus:
+        now = self.clock()
+        per_engine: dict[str, int] = {}
+        for f in self.dispatcher.in_flight.values():
+            per_engine[f.engine_id] = per_engine.get(f.engine_id, 0) + 1
+        return build_status(
+            config=self.config,
+            config_hash=self.config_hash,
+            runner=self.runner,
+            registry=self.registry,
+            in_flight_per_engine=per_engine,
+            requests_in_flight=len(self.dispatcher.in_flight),
+            sample_rate_per_min=self.sample_meter.per_minute(now, self.config.sample_rate_window_s),
+            draining=self.dispatcher.draining,
+            last_reload_error=self.last_reload_error,
+            now=now,
+        )
+
+
+STATE = web.AppKey("misat_state", RouterState)
