@@ -1,0 +1,52 @@
+"""Short seeded cluster runs whose results are pinned in ``golden/cluster_runs.json``.
+
+The engine traces (``engine_traces.py``) pin one engine; these pin the whole
+in-process path the benchmark measures: workload plans, the router's policy
+(placement, admission, prefix index, radix tree), engines, trainer. Speed work
+on any of them must leave every figure of these runs as it was.
+
+Regenerate (only for an intended behaviour change, stated in the commit)::
+
+    MISAT_WRITE_GOLDEN=1 .venv/bin/pytest tests/sim/test_engine_equivalence.py
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from misat_router.policy.settings import PolicyName, PolicySettings
+from misat_sim.cluster import ClusterConfig, run_cluster
+from misat_sim.workload import WorkloadSpec
+
+GOLDEN = Path(__file__).parent / "golden" / "cluster_runs.json"
+DIGITS = 9
+
+RUNS: dict[str, ClusterConfig] = {
+    f"{policy.value}@{ceiling}": ClusterConfig(
+        engines=2, policy=PolicySettings(name=policy), ceiling=ceiling, duration_s=60.0, warmup_s=10.0,
+        workload=WorkloadSpec(seed=7),
+    )
+    for policy, ceiling in (
+        (PolicyName.CACHE_AWARE, 48), (PolicyName.CACHE_AWARE, 256), (PolicyName.MISA_T, 256),
+        (PolicyName.MISA, 256), (PolicyName.LEAST_LOADED, 64),
+    )
+}
+
+
+def run(name: str) -> dict[str, Any]:
+    r = run_cluster(RUNS[name])
+    out = {}
+    for k, v in r.as_dict().items():
+        if isinstance(v, float):
+            v = round(v, DIGITS)
+        elif k == "series":
+            v = [[round(t, DIGITS), n] for t, n in v]
+        out[k] = v
+    return out
+
+
+def write_golden() -> None:
+    GOLDEN.parent.mkdir(parents=True, exist_ok=True)
+    GOLDEN.write_text(json.dumps({name: run(name) for name in RUNS}, indent=1, sort_keys=True) + "\n")
