@@ -64,6 +64,8 @@ class _Unit:
     turn: int = 0
     prompt: list[int] = field(default_factory=list)
     released_at: float = 0.0
+    prompt_block_hashes: list[int] = field(default_factory=list)
+    """Engine block hashes of the prompt's leading blocks, from the previous turn (saves rehashing)."""
 
 
 @dataclass
@@ -195,8 +197,9 @@ class Cluster:
         eng = self.engines[engine_id]
         limit = eng.limits.max_model_len - len(req.prompt_token_ids or ())
         max_tokens = max(1, min(req.max_tokens or 1, limit))
+        unit = self._requests[req.request_id][1]
         eng.add_request(req.request_id, req.prompt_token_ids or (0,), max_tokens, ignore_eos=True,
-                        arrival_time=self.now)
+                        arrival_time=self.now, prefix_block_hashes=unit.prompt_block_hashes)
         self._placed_on[req.request_id] = engine_id
 
     def _on_finished(self, engine_id: str, fin: FinishedRequest) -> None:
@@ -214,6 +217,7 @@ class Cluster:
         if unit.turn < plan.last_turn:
             gap = plan.turns[unit.turn].tool_gap_s
             unit.prompt = plan.next_prompt(unit.prompt, fin.output_token_ids, unit.turn + 1)
+            unit.prompt_block_hashes = fin.block_hashes  # every engine of the cluster has one block size
             unit.turn += 1
             if len(unit.prompt) >= self.engines[engine_id].limits.max_model_len:
                 self._unit_done(unit)  # context full: the trajectory ends here, as a real one would

@@ -50,6 +50,10 @@ class FinishedRequest:
     first_token_time: float | None
     finish_time: float
     num_preemptions: int
+    block_hashes: list[int] = field(default_factory=list)
+    """Chained hashes of the leading full blocks of prompt + output that the engine computed:
+    a caller sending prompt + output (+ more) back as the next turn may pass them to
+    ``add_request`` so they are not computed again."""
 
     @property
     def num_output_tokens(self) -> int:
@@ -113,6 +117,16 @@ class EngineCounters:
     busy_time: float = 0.0
 
 
+def _prompt_block_hashes(prompt: list[int], block_size: int, known: Sequence[int]) -> list[int]:
+    """Hashes of the prompt's full blocks, reusing ``known`` ones for its leading blocks."""
+    n_full = len(prompt) // block_size
+    if not known:
+        return block_hashes_for(prompt, block_size)
+    reused = list(known[:n_full])
+    reused += block_hashes_for(prompt, block_size, start_block=len(reused), parent_hash=reused[-1])
+    return reused
+
+
 class SimEngine:
     """One simulated vLLM engine (see module docstring)."""
 
@@ -141,8 +155,16 @@ class SimEngine:
         arrival_time: float,
         sample_seed: int | None = None,
         greedy: bool = False,
+        prefix_block_hashes: Sequence[int] = (),
     ) -> None:
-        """Queue a request. Lengths must already be validated against ``max_model_len``."""
+        """Queue a request. Lengths must already be validated against ``max_model_len``.
+
+        ``prefix_block_hashes``: chained hashes of the prompt's leading full blocks,
+        as an earlier ``FinishedRequest.block_hashes`` of this engine's block size
+        gives them for a prompt that starts with that request's prompt + output
+        (a multi-turn session). The caller vouches for them; only the blocks after
+        them are hashed here.
+        """
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in the engine")
         if not prompt_token_ids:
@@ -172,7 +194,8 @@ class SimEngine:
             eos_token_id=limits.eos_token_id,
             token_seed=hash((limits.seed, prompt_hash, sample_seed)),
             prompt_block_hashes=(
-                block_hashes_for(prompt, limits.block_size) if limits.enable_prefix_caching else []
+                _prompt_block_hashes(prompt, limits.block_size, prefix_block_hashes)
+                if limits.enable_prefix_caching else []
             ),
         )
         self.requests[request_id] = req
@@ -349,6 +372,7 @@ class SimEngine:
                     first_token_time=req.first_token_time,
                     finish_time=end,
                     num_preemptions=req.num_preemptions,
+                    block_hashes=req.known_block_hashes(),
                 )
             )
 

@@ -220,6 +220,10 @@ class SimRequest:
             self.block_hash(n - 1)
         return hashes
 
+    def known_block_hashes(self) -> list[int]:
+        """A copy of the chained hashes computed so far (leading full blocks)."""
+        return list(self._block_hashes)
+
     def block_hash(self, index: int) -> int:
         """Chained hash of full block ``index`` (computed on demand, then kept)."""
         hashes = self._block_hashes
