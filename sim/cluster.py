@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import cast
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from misat_router.policy.registry import build_policy
 from misat_router.policy.runner import PolicyRunner
@@ -56,6 +56,33 @@ class ClusterConfig(BaseModel):
     engine_kv_overrides: tuple[int | None, ...] = Field(
         (), description="Per-engine num_gpu_blocks (heterogeneous pools); empty: all alike."
     )
+    block_size: int | None = Field(
+        None, gt=0,
+        description="Tokens per KV block, for the engines and the router's prefix index alike (the "
+        "simulation's granularity; None: the engine profile's). Independent of the length scale: "
+        "full-length sequences with 256-token blocks keep the block count of 1/16-length ones with 16.",
+    )
+
+    @model_validator(mode="after")
+    def _one_block_size(self) -> ClusterConfig:
+        if self.block_size is None:
+            engine_bs = self.engine.resolve().block_size
+            if self.policy.prefix.block_size != engine_bs:
+                raise ValueError(
+                    f"policy.prefix.block_size {self.policy.prefix.block_size} differs from the engines' "
+                    f"block size {engine_bs}: the router would index blocks the engines do not have; "
+                    "set block_size to set both"
+                )
+        return self
+
+    def with_granularity(self) -> ClusterConfig:
+        """This config with ``block_size`` applied to the engine and the prefix index."""
+        if self.block_size is None:
+            return self
+        engine = self.engine.model_copy(update={"block_size": self.block_size})
+        prefix = self.policy.prefix.model_copy(update={"block_size": self.block_size})
+        policy = self.policy.model_copy(update={"prefix": prefix})
+        return self.model_copy(update={"engine": engine, "policy": policy})
 
 
 @dataclass(slots=True)
@@ -115,6 +142,7 @@ class Cluster:
     """One run; ``run()`` returns a ``ClusterResult``."""
 
     def __init__(self, cfg: ClusterConfig, on_progress: Callable[[Cluster], None] | None = None) -> None:
+        cfg = cfg.with_granularity()
         self.cfg = cfg
         self.mix = mix_for(cfg.workload, cfg.policy.footprint.bootstrap_tokens)
         self.runner = PolicyRunner(build_policy(cfg.policy, self.mix), self.mix)

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from misat_router.policy.settings import PolicySettings
+import re
+
+import pytest
+from pydantic import ValidationError
+
+from misat_router.policy.settings import PolicySettings, PrefixIndexSettings
 from misat_sim.cluster import Cluster, ClusterConfig, mix_for, run_cluster
 from misat_sim.config import SimEngineConfig
 from misat_sim.workload import WorkloadSpec
@@ -54,3 +59,14 @@ def test_router_classes_follow_the_workload_mixture() -> None:
     mix = mix_for(WorkloadSpec())
     assert abs(sum(c.share for c in mix.classes) - 100.0) < 1e-6
     assert [c.name for c in mix.classes if c.multi_turn] == ["agentic"]
+
+
+def test_block_size_sets_the_engines_and_the_prefix_index_alike() -> None:
+    c = Cluster(cfg("misa-t", 8, block_size=64, duration_s=1.0, warmup_s=0.0))
+    assert {e.limits.block_size for e in c.engines.values()} == {64}
+    assert c.cfg.policy.prefix.block_size == 64
+
+
+def test_a_prefix_index_of_another_block_size_is_refused() -> None:
+    with pytest.raises(ValidationError, match=re.escape("policy.prefix.block_size 32 differs from the engines' block size 16")):
+        ClusterConfig(engine=SMALL, policy=PolicySettings(prefix=PrefixIndexSettings(block_size=32)))
