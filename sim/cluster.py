@@ -89,7 +89,7 @@ class ClusterConfig(BaseModel):
 class _Unit:
     plan: SessionPlan
     turn: int = 0
-    prompt: list[int] = field(default_factory=list)
+    prompt: tuple[int, ...] = ()
     released_at: float = 0.0
     prompt_block_hashes: list[int] = field(default_factory=list)
     """Engine block hashes of the prompt's leading blocks, from the previous turn (saves rehashing)."""
@@ -195,7 +195,7 @@ class Cluster:
                 return
             plans = self.workload.draw()
             for plan in plans:
-                unit = _Unit(plan, 0, plan.initial_prompt(), self.now)
+                unit = _Unit(plan, 0, tuple(plan.initial_prompt()), self.now)
                 self._units[plan.session_id] = unit
                 self.in_flight_units += 1
                 if cfg.iterations:
@@ -210,7 +210,7 @@ class Cluster:
             workload_class=plan.klass.value,
             session_id=plan.session_id,
             turn=turn,
-            prompt_token_ids=tuple(unit.prompt),
+            prompt_token_ids=unit.prompt,
             prompt_tokens=len(unit.prompt),
             max_tokens=plan.turns[turn].max_tokens,
             end_of_session=multi and turn == plan.last_turn,
@@ -244,7 +244,8 @@ class Cluster:
         plan = unit.plan
         if unit.turn < plan.last_turn:
             gap = plan.turns[unit.turn].tool_gap_s
-            unit.prompt = plan.next_prompt(unit.prompt, fin.output_token_ids, unit.turn + 1)
+            # plan.next_prompt's tokens, built as a tuple at once (RequestMeta and the engine keep it).
+            unit.prompt = (*unit.prompt, *fin.output_token_ids, *plan.appended_tokens(unit.turn + 1))
             unit.prompt_block_hashes = fin.block_hashes  # every engine of the cluster has one block size
             unit.turn += 1
             if len(unit.prompt) >= self.engines[engine_id].limits.max_model_len:

@@ -117,7 +117,7 @@ class EngineCounters:
     busy_time: float = 0.0
 
 
-def _prompt_block_hashes(prompt: list[int], block_size: int, known: Sequence[int]) -> list[int]:
+def _prompt_block_hashes(prompt: Sequence[int], block_size: int, known: Sequence[int]) -> list[int]:
     """Hashes of the prompt's full blocks, reusing ``known`` ones for its leading blocks."""
     n_full = len(prompt) // block_size
     if not known:
@@ -172,8 +172,8 @@ class SimEngine:
         if max_tokens < 1:
             raise ValueError("max_tokens must be at least 1")
         limits = self.limits
-        prompt = list(prompt_token_ids)
-        prompt_hash = hash(tuple(prompt))
+        prompt = tuple(prompt_token_ids)  # no copy when it is a tuple already
+        prompt_hash = hash(prompt)
         if sample_seed is None:
             if greedy:
                 sample_seed = 0

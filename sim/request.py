@@ -126,7 +126,9 @@ class SimRequest:
         prompt_block_hashes: list[int] | None = None,
     ) -> None:
         self.request_id = request_id
-        self.prompt_token_ids = list(prompt_token_ids)
+        # A tuple: immutable and shared, so a caller's tuple is kept, not copied (full-length
+        # agentic prompts run to 100K tokens, and every turn sends one).
+        self.prompt_token_ids: tuple[int, ...] = tuple(prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
         self.max_tokens = max_tokens
         self.ignore_eos = ignore_eos
