@@ -10,9 +10,12 @@ How:
 
 - Engines: ``misat_sim.server`` apps in this process, modelled time at
   ``time_scale`` modelled seconds per wall second. Python must keep up: each
-  engine's steps are wrapped by a ``KeepUpMeter`` that compares modelled step
-  time with the modelled time that actually passed while the engine was busy;
-  a keep-up below ``KEEP_UP_WARN`` is reported with the figures.
+  engine's loop measures its keep-up (modelled time advanced / wall time x
+  time scale while busy, ``misat_sim.engine_loop``), taken here over the
+  measured window. Under ``KEEP_UP_WARN`` a run is warned about; under
+  ``KEEP_UP_COMPARABLE`` its figures are marked "not a comparison" in the
+  table and the JSON (the engines behaved as slower GPUs than modelled, so
+  the rate measures this machine's CPU as much as the router).
 - Routers run as subprocesses (the binary, and ``misat router`` with a config
   file) on free ports; a bounded poll waits for their health endpoint; they
   are stopped by pid whatever the outcome.
@@ -49,7 +52,9 @@ from misat_cli.processes import free_port, start_process, stop_processes
 from misat_router.policy.settings import CacheAwareSettings, PolicyName, PolicySettings
 from misat_sim.cluster import mix_for
 from misat_sim.config import SimEngineConfig
-from misat_sim.engine import SimEngine, StepResult
+from misat_sim.engine import SimEngine
+from misat_sim.engine_loop import KEEP_UP_WARN as ENGINE_KEEP_UP_WARN
+from misat_sim.engine_loop import EngineLoop, keep_up_warning
 from misat_sim.report import TrainerReport, tv_distance_points
 from misat_sim.server import LISTEN_BACKLOG as SIM_LISTEN_BACKLOG
 from misat_sim.server import STATE, create_app
@@ -66,9 +71,11 @@ HEALTH_TIMEOUT_S: float = 30.0
 STOP_GRACE_S: float = 5.0
 """After SIGTERM a router gets this long before SIGKILL."""
 
-KEEP_UP_WARN: float = 0.9
-"""Below this share of modelled time spent in modelled steps, the engines lagged wall time
-(Python could not step them fast enough at the chosen time scale): figures are flagged."""
+KEEP_UP_WARN: float = ENGINE_KEEP_UP_WARN
+"""A run with an engine under this keep-up is warned about (``misat_sim.engine_loop.KEEP_UP_WARN``)."""
+
+KEEP_UP_COMPARABLE: float = 0.9
+"""A run with an engine under this keep-up gives no comparison: its rows are marked so."""
 
 UNLIMITED_QUEUE: int = 1_000_000
 """The binary's --queue-size for a request limit: a FIFO that never refuses, as the paper's swept
@@ -93,8 +100,8 @@ class HttpSettings(BaseModel):
     engines: int = Field(2, ge=1, description="engine replicas (fewer than the cluster layer: CPU)")
     time_scale: float = Field(
         1.0, gt=0,
-        description="modelled seconds per wall second; on the 2-core machine 1 kept the engines at 82-84% "
-        "of modelled speed, 2 and 10 far less (docs/benchmark.md)",
+        description="modelled seconds per wall second; on the 2-core machine the engines' former per-step loop "
+        "kept 82-84% of modelled speed at 1, far less at 2 and 10 (docs/benchmark.md); each run reports keep-up",
     )
     duration_s: float = Field(180.0, gt=0, description="modelled seconds per run, warm-up included")
     warmup_s: float = Field(45.0, ge=0, description="modelled seconds excluded from rates")
@@ -142,38 +149,32 @@ def find_vllm_router() -> str | None:
 # --- engines ---------------------------------------------------------------------------
 
 
-class KeepUpMeter:
-    """Whether an engine's Python stepping kept pace with modelled time.
+class WindowKeepUp:
+    """Keep-up of each engine over a window: ``mark`` at its start, ``ratios`` at its end."""
 
-    Each step starts at ``max(now, clock)``. While the engine is busy, a
-    keeping-up loop starts the next step when the previous one ends; any gap
-    is modelled time that passed while Python was busy elsewhere (a slower
-    engine than modelled). ``ratio`` = step time / (step time + gaps).
-    """
+    def __init__(self, loops: list[EngineLoop]) -> None:
+        self.loops = loops
+        self._start = [(0.0, 0.0)] * len(loops)
 
-    def __init__(self, engine: SimEngine) -> None:
-        self.engine = engine
-        self.step_s = 0.0
-        self.lag_s = 0.0
-        self.steps = 0
-        self._prev_end: float | None = None
-        inner = engine.step
+    @staticmethod
+    def _totals(loop: EngineLoop) -> tuple[float, float]:
+        k = loop.keep_up()
+        return k.advanced_s, k.busy_s
 
-        def step(now: float) -> StepResult:
-            result = inner(now)
-            if self._prev_end is not None:
-                self.lag_s += max(0.0, result.start - self._prev_end)
-            self.step_s += result.duration
-            self.steps += 1
-            self._prev_end = result.end if engine.has_unfinished_requests() else None
-            return result
+    def mark(self) -> None:
+        self._start = [self._totals(loop) for loop in self.loops]
 
-        engine.step = step  # type: ignore[method-assign]
+    def advanced_s(self) -> list[float]:
+        """Modelled step time per engine since ``mark``."""
+        return [self._totals(loop)[0] - a for loop, (a, _) in zip(self.loops, self._start, strict=True)]
 
-    @property
-    def ratio(self) -> float:
-        total = self.step_s + self.lag_s
-        return self.step_s / total if total > 0 else 1.0
+    def ratios(self) -> list[float]:
+        """Per engine: step time / (busy wall time x time scale) since ``mark``; 1 when never busy."""
+        out = []
+        for loop, (a0, b0) in zip(self.loops, self._start, strict=True):
+            a, b = self._totals(loop)
+            out.append(min(1.0, (a - a0) / (b - b0)) if b > b0 else 1.0)
+        return out
 
 
 @dataclass
@@ -182,7 +183,7 @@ class Fleet:
 
     urls: list[str]
     engines: list[SimEngine]
-    meters: list[KeepUpMeter]
+    loops: list[EngineLoop]
     runners: list[web.AppRunner]
 
     def preemptions(self) -> int:
@@ -196,9 +197,8 @@ async def engine_fleet(cfg: SimEngineConfig, n: int) -> AsyncIterator[Fleet]:
     try:
         for i in range(n):
             app = create_app(cfg.model_copy(update={"seed": cfg.seed + i, "engine_index": i}))
-            engine = app[STATE].engine
-            fleet.meters.append(KeepUpMeter(engine))
-            fleet.engines.append(engine)
+            fleet.loops.append(app[STATE].loop)
+            fleet.engines.append(app[STATE].engine)
             runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
             await runner.setup()
             port = free_port()
@@ -293,7 +293,10 @@ class HttpRun(BaseModel):
     engine_clock_rate_per_min: float | None = Field(
         None, description="units per minute of the engines' own busy time (mean over engines of summed step "
         "durations in the window): the rate lag-corrected, valid while the engines are kept busy")
-    keep_up: list[float] = Field(description="per engine: modelled step time / modelled busy time")
+    keep_up: list[float] = Field(description="per engine, over the measured window: modelled time advanced / "
+                                 "(wall time busy x time scale)")
+    comparison: bool = Field(True, description=f"False when an engine's keep-up was under {KEEP_UP_COMPARABLE}: "
+                             "not a comparison (the engines ran slower than modelled)")
     wall_s: float
     cpu_s: float = Field(0.0, description="CPU seconds of this process (engines + trainer) during the run")
     error_examples: dict[str, str] = Field(default_factory=dict)
@@ -344,11 +347,13 @@ async def run_one(name: str, router: Literal["vllm-router", "misat"], policy: Po
                     request_timeout_s=REQUEST_TIMEOUT_S,
                 ), spec)
                 task = asyncio.create_task(trainer.run())
+                window = WindowKeepUp(fleet.loops)
                 await asyncio.sleep(h.warmup_s / h.time_scale)
                 warm = trainer.snapshot() if h.warmup_s > 0 else None
-                step_warm = [m.step_s for m in fleet.meters]
+                window.mark()
                 report = await task
-                step_window = [m.step_s - w for m, w in zip(fleet.meters, step_warm, strict=True)]
+                step_window = window.advanced_s()
+                keep_up = [round(k, 4) for k in window.ratios()]
         win = _window(report, warm, h.time_scale)
         busy = sum(step_window) / len(step_window)
         units = report.units_completed - (warm.units_completed if warm else 0)
@@ -356,7 +361,7 @@ async def run_one(name: str, router: Literal["vllm-router", "misat"], policy: Po
             name=name, router=router, policy=policy.name.value, ceiling=ceiling, request_limit=request_limit,
             units_completed=report.units_completed, errors=report.errors, retries=report.retries,
             missing_token_ids=report.missing_token_ids, preemptions=fleet.preemptions(),
-            keep_up=[round(m.ratio, 4) for m in fleet.meters],
+            keep_up=keep_up, comparison=min(keep_up) >= KEEP_UP_COMPARABLE,
             engine_clock_rate_per_min=60.0 * units / busy if busy > 0 else None, wall_s=time.monotonic() - t0,
             cpu_s=time.process_time() - cpu0, error_examples=report.error_examples, **win,
         )
@@ -453,24 +458,34 @@ def run_http_layer(args: argparse.Namespace, s: BenchSettings, console: Console)
             console.print(f"  [red]failed: {exc}[/red]")
             continue
         result.runs.append(run)
-        flag = "" if min(run.keep_up) >= KEEP_UP_WARN else "  [red]engines lagged[/red]"
+        flag = "" if run.comparison else "  [red]not a comparison[/red]"
         console.print(f"  {run.sample_rate_per_min:.1f}/min hit {100 * (run.prefix_hit_rate or 0):.1f}% "
                       f"TV {run.tv_points if run.tv_points is not None else float('nan'):.2f} "
                       f"preempt {run.preemptions} errors {run.errors} keep-up {min(run.keep_up):.3f} "
                       f"engine-clock {run.engine_clock_rate_per_min or 0:.1f}/min "
                       f"wall {run.wall_s:.0f}s cpu {run.cpu_s:.0f}s{flag}", highlight=False)
+        warning = keep_up_warning({f"engine-{i}": k for i, k in enumerate(run.keep_up)}, threshold=KEEP_UP_WARN)
+        if warning:
+            console.print(f"  [yellow]warning: {warning}[/yellow]", highlight=False)
         if limit is None:
             key = f"{policy.name.value}@{ceiling}"
             if key not in result.cluster_at and not h.skip_cluster_check:
                 result.cluster_at[key] = _cluster_rate(policy, ceiling, h, s)
                 console.print(f"  cluster layer, same config: {result.cluster_at[key]:.1f}/min")
-    ref = next((r.sample_rate_per_min for r in result.runs if r.name == "vllm-router@tuned"), None)
-    for r in result.runs:
-        result.rows.append(SummaryRow(
-            layer="http", workload="steady", baseline=r.name, router=r.router, ceiling=r.ceiling,
-            label=f"{r.router} {r.policy} @{r.ceiling}" + (f" limit {r.request_limit}" if r.request_limit else ""),
-            sample_rate_per_min=r.sample_rate_per_min,
-            ratio_to_oracle=(r.sample_rate_per_min / ref) if ref else None,
-            prefix_hit_rate=r.prefix_hit_rate, tv_points=r.tv_points, preemptions=r.preemptions,
-        ))
+    result.rows = http_rows(result.runs)
     return result
+
+
+def http_rows(runs: list[HttpRun]) -> list[SummaryRow]:
+    """The table rows of the HTTP runs: rates against the tuned binary, keep-up, and the marking of
+    runs whose engines could not keep up (a ratio to such a reference compares nothing either)."""
+    ref_run = next((r for r in runs if r.name == "vllm-router@tuned"), None)
+    ref = ref_run.sample_rate_per_min if ref_run is not None else None
+    return [SummaryRow(
+        layer="http", workload="steady", baseline=r.name, router=r.router, ceiling=r.ceiling,
+        label=f"{r.router} {r.policy} @{r.ceiling}" + (f" limit {r.request_limit}" if r.request_limit else ""),
+        sample_rate_per_min=r.sample_rate_per_min,
+        ratio_to_oracle=(r.sample_rate_per_min / ref) if ref else None,
+        prefix_hit_rate=r.prefix_hit_rate, tv_points=r.tv_points, preemptions=r.preemptions,
+        keep_up=min(r.keep_up), comparison=r.comparison and (ref_run is None or ref_run.comparison),
+    ) for r in runs]

@@ -46,6 +46,19 @@ class SummaryRow(BaseModel):
     preemptions: int | None
     mean_iteration_s: float | None = None
     mean_kv_usage: float | None = None
+    keep_up: float | None = Field(None, description="HTTP layer: the lowest engine keep-up of the run "
+                                  "(modelled time advanced / wall time x time scale while busy); None in virtual time")
+    comparison: bool = Field(True, description="False: the engines ran too far under modelled speed (keep-up "
+                             "under the HTTP layer's KEEP_UP_COMPARABLE) for the figure to compare routers")
+
+    @property
+    def note(self) -> str:
+        """``not a comparison`` for a row whose engines could not keep up, else empty."""
+        return "" if self.comparison else NOT_A_COMPARISON
+
+
+NOT_A_COMPARISON: str = "not a comparison"
+"""How a figure from engines that could not keep up is marked in the table."""
 
 
 class SweepPoint(BaseModel):
@@ -161,22 +174,27 @@ def render_table(summaries: list[WorkloadSummary], http_rows: list[SummaryRow] |
     from rich.table import Table
 
     table = Table(title="MISA-T vs vLLM Router cache_aware (sample rate in units/min of simulated time)")
-    for col, justify in [("layer", "left"), ("workload", "left"), ("baseline / mode", "left"), ("run", "left"),
-                         ("units/min", "right"), ("x oracle", "right"), ("prefix hit", "right"),
-                         ("TV pts", "right"), ("preempt", "right"), ("iter s", "right")]:
+    columns = [("layer", "left"), ("workload", "left"), ("baseline / mode", "left"), ("run", "left"),
+               ("units/min", "right"), ("x oracle", "right"), ("prefix hit", "right"),
+               ("TV pts", "right"), ("preempt", "right"), ("iter s", "right")]
+    if http_rows:
+        columns.append(("keep-up", "right"))
+    for col, justify in columns:
         table.add_column(col, justify=justify)  # type: ignore[arg-type]
+    tail: list[str] = ["-"] if http_rows else []  # the cluster layer runs in virtual time
     for ws in summaries:
         for i, r in enumerate(ws.rows):
             table.add_row(r.layer, ws.workload if i == 0 else "", r.baseline, r.label,
                           f"{r.sample_rate_per_min:.1f}", _fmt(r.ratio_to_oracle, ".2f"),
                           _fmt(None if r.prefix_hit_rate is None else 100 * r.prefix_hit_rate, ".1f") + "%",
                           _fmt(r.tv_points, ".2f"), _fmt(r.preemptions, "d"), _fmt(r.mean_iteration_s, ".0f"),
-                          end_section=i == len(ws.rows) - 1)
+                          *tail, end_section=i == len(ws.rows) - 1)
     for r in http_rows or []:
         table.add_row(r.layer, r.workload, r.baseline, r.label, f"{r.sample_rate_per_min:.1f}",
-                      _fmt(r.ratio_to_oracle, ".2f"),
+                      r.note or _fmt(r.ratio_to_oracle, ".2f"),
                       _fmt(None if r.prefix_hit_rate is None else 100 * r.prefix_hit_rate, ".1f") + "%",
-                      _fmt(r.tv_points, ".2f"), _fmt(r.preemptions, "d"), _fmt(r.mean_iteration_s, ".0f"))
+                      _fmt(r.tv_points, ".2f"), _fmt(r.preemptions, "d"), _fmt(r.mean_iteration_s, ".0f"),
+                      _fmt(r.keep_up, ".3f"))
     return table
 
 

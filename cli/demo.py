@@ -6,6 +6,11 @@ rollouts through it for a bounded time, with live progress; then a report
 table, a PNG plot and a JSON result under ``--out``. ``--compare`` runs the
 same seeded workload through the vLLM Router's ``cache_aware`` policy at the
 same trainer ceiling and prints the ratios.
+
+Every run reports each simulated engine's keep-up (modelled time advanced /
+wall time x time scale while busy, ``misat_sim.engine_loop``), and warns when
+one is under 0.95: the engines then ran slower than modelled, so the figures
+measure this machine's CPU as much as the policies.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import asyncio
 import contextlib
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -25,12 +31,17 @@ from rich.table import Table
 from misat_router.memory import DEFAULT_MMAP_THRESHOLD_BYTES, pin_mmap_threshold
 from misat_router.policy.settings import PolicyName
 from misat_router.server import event_loop_factory
+from misat_sim.engine_loop import KEEP_UP_WARN, keep_up_warning
 
-from .localpool import LocalPool, PoolError, local_pool
+from .localpool import LocalPool, PoolError, keep_up_figures, local_pool
 
 DEFAULT_MANIFEST = Path("examples/mixed-pool.yaml")
 REFRESH_S = 1.0
 """Progress display refresh period."""
+LAG_PROBE_S = 0.1
+"""Period of the event-loop lag probe of the router + trainer process."""
+ROUTER_LAG_WARN_S = 0.05
+"""Modelled seconds of mean router + trainer event-loop lag above which a run is warned about."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,14 +74,22 @@ def workload_spec(pool: LocalPool, seed: int) -> Any:
     return WorkloadSpec(seed=seed, mixture=mixture, session_prefix=f"demo{seed}")
 
 
-def progress_view(policy: str, report: Any, status: dict[str, Any] | None, duration: float) -> Group:
+def _min_keep_up(readings: list[dict[str, Any] | None], key: str) -> float | None:
+    values = [v for v in keep_up_figures(readings, key).values() if v is not None]
+    return min(values) if values else None
+
+
+def progress_view(policy: str, report: Any, status: dict[str, Any] | None, duration: float,
+                  keep_up: list[dict[str, Any] | None] | None = None) -> Group:
     head = Table.grid(padding=(0, 2))
     hit = f"{100 * report.prefix_hit_rate:.1f}%" if report.prefix_hit_rate is not None else "-"
     tv = f"{report.mixture_tv_points:.2f} pts" if report.mixture_tv_points is not None else "-"
+    k = _min_keep_up(keep_up or [], "recent")
+    ku = "-" if k is None else (f"[bold]{k:.3f}[/]" if k >= KEEP_UP_WARN else f"[bold red]{k:.3f}[/]")
     head.add_row(f"[bold]{policy}[/]", f"{report.elapsed_s:5.0f}/{duration:.0f} s",
                  f"samples/min [bold]{report.sample_rate_per_min:7.1f}[/]", f"prefix hit [bold]{hit}[/]",
                  f"mixture TV [bold]{tv}[/]", f"held {status.get('held_requests', 0) if status else '-'}",
-                 f"errors {report.errors}")
+                 f"errors {report.errors}", f"keep-up {ku}")
     table = Table(expand=False)
     for col in ("class", "units done", "consumed %", "target %", "active sessions", "held", "KV used (tokens)"):
         table.add_column(col, justify="left" if col == "class" else "right")
@@ -98,24 +117,87 @@ async def run_once(args: argparse.Namespace, console: Console, policy: PolicyNam
                                         drain=args.drain, time_scale=args.time_scale),
                           workload_spec(pool, args.seed))
         task = asyncio.create_task(trainer.run())
+        lag = LoopLag()
+        probe = asyncio.create_task(lag.run())
         status: dict[str, Any] | None = None
+        keep_up: list[dict[str, Any] | None] = []
         with Live(console=console, refresh_per_second=2, transient=False) as live:
             while not task.done():
                 with contextlib.suppress(Exception):
                     status = await pool.status()
-                live.update(progress_view(label, trainer.snapshot(), status, args.duration))
+                with contextlib.suppress(Exception):
+                    keep_up = await pool.engine_keep_up()
+                live.update(progress_view(label, trainer.snapshot(), status, args.duration, keep_up))
                 await asyncio.wait({task}, timeout=REFRESH_S)
             report = task.result()
+            probe.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await probe
             with contextlib.suppress(Exception):
                 status = await pool.status()
-            live.update(progress_view(label, report, status, args.duration))
-    return {"policy": label, "trainer": report.model_dump(mode="json"), "router_status": status}
+            with contextlib.suppress(Exception):
+                keep_up = await pool.engine_keep_up()
+            live.update(progress_view(label, report, status, args.duration, keep_up))
+    warning = keep_up_line(label, keep_up)
+    if warning:
+        console.print(f"[bold red]warning:[/] {warning}")
+    loop_lag = lag.summary()
+    lag_warning = loop_lag_line(label, loop_lag, args.time_scale)
+    if loop_lag:
+        console.print(f"{label}: router + trainer event-loop lag mean {loop_lag['mean_ms']:.1f} ms, "
+                      f"p99 {loop_lag['p99_ms']:.1f} ms", highlight=False)
+    if lag_warning:
+        console.print(f"[bold red]warning:[/] {lag_warning}")
+    return {"policy": label, "trainer": report.model_dump(mode="json"), "router_status": status,
+            "keep_up": keep_up, "keep_up_warning": warning, "router_loop_lag": loop_lag,
+            "router_loop_lag_warning": lag_warning}
+
+
+def loop_lag_line(label: str, loop_lag: dict[str, float] | None, time_scale: float) -> str | None:
+    """A warning when the router + trainer process's mean event-loop lag, in modelled time, exceeds
+    ``ROUTER_LAG_WARN_S`` (the engines' delivery slice: what they guarantee to clients)."""
+    if loop_lag is None:
+        return None
+    modelled = loop_lag["mean_ms"] / 1000 * time_scale
+    if modelled <= ROUTER_LAG_WARN_S:
+        return None
+    return (f"{label}: the router + trainer process lagged {loop_lag['mean_ms']:.0f} ms on average "
+            f"({modelled:.2f} modelled s at x{time_scale:g}): it, not the engines, was short of CPU, so the "
+            "figures measure this machine; lower --time-scale")
+
+
+class LoopLag:
+    """How late this process's event loop runs a timer: the router and the trainer share it here, so
+    lag means they, not the engines, are short of CPU (a deployed router has its own cores)."""
+
+    def __init__(self) -> None:
+        self.samples: list[float] = []
+
+    async def run(self) -> None:
+        while True:
+            t = time.monotonic()
+            await asyncio.sleep(LAG_PROBE_S)  # the probe's period, not a synchronisation
+            self.samples.append(max(0.0, time.monotonic() - t - LAG_PROBE_S))
+
+    def summary(self) -> dict[str, float] | None:
+        """Mean and 99th percentile lag in milliseconds; None before any sample."""
+        if not self.samples:
+            return None
+        ordered = sorted(self.samples)
+        return {"mean_ms": 1000 * sum(ordered) / len(ordered),
+                "p99_ms": 1000 * ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]}
+
+
+def keep_up_line(label: str, readings: list[dict[str, Any] | None]) -> str | None:
+    """The run's keep-up warning (any engine under 0.95 over the run while busy), or None."""
+    line = keep_up_warning(keep_up_figures(readings, "run"))
+    return f"{label}: {line}" if line else None
 
 
 def summary_table(results: list[dict[str, Any]]) -> Table:
     table = Table(title="misat demo: rollout throughput with the mixture intact")
     for col in ("policy", "samples/min", "requests/min", "decode tok/s", "prefix hit %", "mixture TV pts",
-                "units done", "errors"):
+                "units done", "errors", "keep-up per engine"):
         table.add_column(col, justify="left" if col == "policy" else "right")
     for r in results:
         t = r["trainer"]
@@ -123,8 +205,20 @@ def summary_table(results: list[dict[str, Any]]) -> Table:
         tv = t["mixture_tv_points"]
         table.add_row(r["policy"], f"{t['sample_rate_per_min']:.1f}", f"{t['requests_per_min']:.0f}",
                       f"{t['decode_tokens_per_s']:.0f}", f"{100 * hit:.1f}" if hit is not None else "-",
-                      f"{tv:.2f}" if tv is not None else "-", str(t["units_completed"]), str(t["errors"]))
+                      f"{tv:.2f}" if tv is not None else "-", str(t["units_completed"]), str(t["errors"]),
+                      keep_up_cell(r.get("keep_up") or []))
     return table
+
+
+def keep_up_cell(readings: list[dict[str, Any] | None]) -> str:
+    """Each engine's keep-up over the run, e.g. ``0.994 0.981 0.990 1.000``; red under 0.95."""
+    cells = []
+    for v in keep_up_figures(readings, "run").values():
+        if v is None:
+            cells.append("-")
+        else:
+            cells.append(f"{v:.3f}" if v >= KEEP_UP_WARN else f"[red]{v:.3f}[/]")
+    return " ".join(cells) or "-"
 
 
 def plot(results: list[dict[str, Any]], path: Path) -> bool:
@@ -190,6 +284,10 @@ def main(argv: list[str] | None = None) -> int:
         console.print("interrupted")
         return 130
     console.print(summary_table(results))
+    for r in results:
+        for key in ("keep_up_warning", "router_loop_lag_warning"):
+            if r.get(key):
+                console.print(f"[bold red]warning:[/] {r[key]}")
     if len(results) == 2:
         a, b = (r["trainer"] for r in results)
         if b["sample_rate_per_min"] > 0:

@@ -45,6 +45,10 @@ ENGINE_STOP_TIMEOUT_S = 5.0
 MANIFEST_POLL_S = 1.0
 """How often ``misat up`` checks the manifest file for edits."""
 LOCAL_NAMESPACE = "local"
+KEEP_UP_PATH = "/misat/keep_up"
+"""Where a simulated engine serves its keep-up (``misat_sim.server.KEEP_UP_PATH``; not imported,
+so that real-engine pools need no simulator)."""
+KEEP_UP_TIMEOUT_S = 2.0
 SIM_ENGINE_PROBE_TIMEOUT_S = 2.0
 """Health and scrape timeout towards simulated engines: they share this machine's few cores with
 the router and the trainer, so an overloaded one answers late, where a GPU server's API process
@@ -171,6 +175,8 @@ class LocalPool:
     config: RouterConfig
     length_scale: float
     policy_override: PolicyName | None = None
+    simulated: bool = False
+    """Engines are this pool's simulated ones (they serve keep-up figures)."""
     client: RouterClient = field(default_factory=RouterClient)
 
     async def reload(self, manifest: Path) -> str:
@@ -192,6 +198,30 @@ class LocalPool:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0)) as http, \
                 http.get(f"{self.router_url}/status") as resp:
             return await resp.json()
+
+    async def engine_keep_up(self) -> list[dict[str, Any] | None]:
+        """Each simulated engine's keep-up (``/misat/keep_up``), None where it did not answer;
+        empty for real engines (they have no such figure)."""
+        if not self.simulated:
+            return []
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=KEEP_UP_TIMEOUT_S)) as http:
+            return list(await asyncio.gather(*(_get_keep_up(http, url) for url in self.engine_urls)))
+
+
+async def _get_keep_up(http: aiohttp.ClientSession, url: str) -> dict[str, Any] | None:
+    try:
+        async with http.get(f"{url}{KEEP_UP_PATH}") as resp:
+            if resp.status != 200:
+                return None
+            body: dict[str, Any] = await resp.json()
+    except (aiohttp.ClientError, TimeoutError, ValueError):
+        return None
+    return {"url": url, **body}
+
+
+def keep_up_figures(readings: list[dict[str, Any] | None], key: str = "run") -> dict[str, float | None]:
+    """``engine-i`` -> the reading's ``key`` figure (``run`` or ``recent``), None where unknown."""
+    return {f"engine-{i}": (r or {}).get(key) for i, r in enumerate(readings)}
 
 
 @contextlib.asynccontextmanager
@@ -232,7 +262,8 @@ async def local_pool(
         except OSError as exc:
             raise PoolError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
         bound = runner.addresses[0][1]
-        pool = LocalPool(name, spec, f"http://{host}:{bound}", token, engine_urls, config, length_scale, policy)
+        pool = LocalPool(name, spec, f"http://{host}:{bound}", token, engine_urls, config, length_scale, policy,
+                         simulated=bool(engines))
         try:
             yield pool
         finally:

@@ -4,6 +4,11 @@ Starts one simulated vLLM engine per replica (or uses ``--engine-url``), the
 MISA-T router configured exactly as the operator would configure it, and
 prints the router's URL. Editing the manifest applies admission, workload
 and budget changes live. Ctrl-C stops everything it started.
+
+With simulated engines it prints a keep-up line every ``KEEP_UP_REPORT_S``
+while they are busy (each engine's modelled time advanced / wall time x time
+scale over the last 30 s, ``misat_sim.engine_loop``), flagged as a warning
+when one is under 0.95: the engines then run slower than modelled.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import asyncio
 import contextlib
 import signal
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 
@@ -20,7 +26,35 @@ from misat_router.memory import DEFAULT_MMAP_THRESHOLD_BYTES, pin_mmap_threshold
 from misat_router.policy.settings import PolicyName
 from misat_router.server import event_loop_factory
 
-from .localpool import PoolError, local_pool, watch_manifest
+from .localpool import LocalPool, PoolError, keep_up_figures, local_pool, watch_manifest
+
+KEEP_UP_REPORT_S = 30.0
+"""Wall seconds between keep-up lines (the engines' recent window is as long)."""
+
+
+def keep_up_status(readings: list[dict[str, Any] | None]) -> tuple[str, bool] | None:
+    """The status line for these readings and whether it is a warning; None while no engine was busy."""
+    from misat_sim.engine_loop import keep_up_warning
+
+    figures = keep_up_figures(readings, "recent")
+    if all(v is None for v in figures.values()):
+        return None
+    listed = " ".join(f"{name} {'-' if v is None else f'{v:.3f}'}" for name, v in figures.items())
+    # "low": under 0.95 with enough busy time in the window to tell (the engine's own judgement).
+    low = {f"engine-{i}": r.get("recent") for i, r in enumerate(readings) if r is not None and r.get("low")}
+    warning = keep_up_warning(low)
+    line = f"keep-up (last {KEEP_UP_REPORT_S:.0f} s busy): {listed}"
+    return (f"{line}; {warning}", True) if warning else (line, False)
+
+
+async def report_keep_up(pool: LocalPool, console: Console, every_s: float = KEEP_UP_REPORT_S) -> None:
+    """Print the engines' keep-up every ``every_s`` while they are busy."""
+    while True:
+        await asyncio.sleep(every_s)  # the period of a status line, not a synchronisation
+        status = keep_up_status(await pool.engine_keep_up())
+        if status is not None:
+            line, warn = status
+            console.print(f"[bold red]warning:[/] {line}" if warn else line, highlight=False)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,13 +85,17 @@ async def serve(args: argparse.Namespace, console: Console) -> None:
                       f"(OpenAI API under /v1, status at /status), policy {pool.config.policy.name.value}, "
                       f"{len(pool.engine_urls)} engine(s): {', '.join(pool.engine_urls)}")
         console.print(f"Watching {args.filename} for admission changes. Ctrl-C stops everything.")
-        watcher = asyncio.create_task(watch_manifest(pool, args.filename, console.print))
+        tasks = [asyncio.create_task(watch_manifest(pool, args.filename, console.print))]
+        if pool.simulated:
+            tasks.append(asyncio.create_task(report_keep_up(pool, console)))
         try:
             await stop.wait()
         finally:
-            watcher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await watcher
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
     console.print("stopped")
 
 

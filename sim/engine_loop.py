@@ -191,8 +191,12 @@ class KeepUpMeter:
             samples.popleft()
         return True
 
-    def reading(self, t: float, *, delivery_lag_s: float = 0.0) -> KeepUp:
-        """The figures at ``t`` (counts busy time up to ``t`` first)."""
+    def reading(self, t: float, *, behind_s: float = 0.0, delivery_lag_s: float = 0.0) -> KeepUp:
+        """The figures at ``t`` (counts busy time up to ``t`` first).
+
+        ``behind_s``: modelled time up to ``t`` the engine has not run yet but will, without
+        skipping (the loop runs steps in batches, a slice apart): not lost, so counted as run.
+        """
         self.observe(t)
         horizon = t - self.window_s
         base = self._samples[0]
@@ -200,10 +204,11 @@ class KeepUpMeter:
             if s[0] > horizon:
                 break
             base = s
+        advanced = self.advanced_s + behind_s
         recent_busy = self.busy_s - base[2]
-        recent = min(1.0, (self.advanced_s - base[1]) / recent_busy) if recent_busy > 0 else None
+        recent = min(1.0, (advanced - base[1]) / recent_busy) if recent_busy > 0 else None
         return KeepUp(
-            run=min(1.0, self.advanced_s / self.busy_s) if self.busy_s > 0 else None,
+            run=min(1.0, advanced / self.busy_s) if self.busy_s > 0 else None,
             recent=recent,
             busy=self.busy,
             busy_s=self.busy_s,
@@ -270,6 +275,7 @@ class EngineLoop:
         self._warned_at: float | None = None
         self._task: asyncio.Task[None] | None = None
         self._waiter: asyncio.Future[None] | None = None
+        metrics.set_keep_up_source(self._keep_up_series)
 
     def now(self) -> float:
         """Modelled time now: wall time since the loop was built, times the time scale."""
@@ -294,8 +300,18 @@ class EngineLoop:
 
     def keep_up(self) -> KeepUp:
         """Keep-up figures now."""
+        now = self.now()
         lag = self._lag_total / self._deliveries if self._deliveries else 0.0
-        return self.meter.reading(self.now(), delivery_lag_s=lag)
+        behind = 0.0
+        engine = self.engine
+        if engine.has_unfinished_requests():
+            t = self._t if self._t > engine.clock else engine.clock
+            behind = min(max(0.0, now - t), self.max_lag_s)
+        return self.meter.reading(now, behind_s=behind, delivery_lag_s=lag)
+
+    def _keep_up_series(self) -> dict[str, float | None]:
+        k = self.keep_up()
+        return {"run": k.run, "recent": k.recent}
 
     # --- requests ------------------------------------------------------------------
 
@@ -424,16 +440,16 @@ class EngineLoop:
         streams = self.streams
         for f in finished:
             self.metrics.observe_finished(f)
-            stream = streams.pop(f.request_id, None)
-            if stream is None:
-                continue
-            if stream.streaming:
+            rs = streams.pop(f.request_id, None)
+            if rs is None:
+                continue  # aborted meanwhile
+            if rs.streaming:
                 del self._streaming[f.request_id]
-                if len(f.output_token_ids) > stream.sent:
-                    stream.queue.put_nowait(TokenDelta(f.output_token_ids[stream.sent :]))
-                    stream.sent = len(f.output_token_ids)
-            stream.finished = f
-            stream.queue.put_nowait(f)
+                if len(f.output_token_ids) > rs.sent:
+                    rs.queue.put_nowait(TokenDelta(f.output_token_ids[rs.sent :]))
+                    rs.sent = len(f.output_token_ids)
+            rs.finished = f
+            rs.queue.put_nowait(f)
 
     def _check_keep_up(self, now: float) -> None:
         k = self.keep_up()
@@ -447,7 +463,7 @@ class EngineLoop:
                     self.metrics.engine_index, k.recent, k.recent_busy_s / self.time_scale,
                     k.run if k.run is not None else float("nan"), k.skipped_s,
                 )
-        elif self._warned_at is not None and k.recent is not None and not k.low:
+        elif self._warned_at is not None and k.recent is not None and k.recent >= KEEP_UP_WARN:
             self._warned_at = None
             log.warning("engine %s keep-up back to %.3f", self.metrics.engine_index, k.recent)
 

@@ -9,11 +9,15 @@ Gauges and counters are read from the engine at scrape time by a custom
 collector (no second copy of the numbers); latency histograms are observed
 when requests finish, in *modelled* seconds. Each app gets its own
 ``CollectorRegistry`` so several engines can live in one process.
+
+One series is the simulator's own, not vLLM's: ``misat_sim_keep_up_ratio``
+(label ``window``: ``run`` or ``recent``), the engine loop's keep-up (see
+``misat_sim.engine_loop``); it is served once the loop registers its source.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -44,6 +48,28 @@ def read_metrics(engine: SimEngine) -> VllmMetrics:
         prefix_hits_total=float(c.prefix_cache_hits),
         preemptions_total=float(c.num_preemptions),
     )
+
+
+KEEP_UP_METRIC: str = "misat_sim_keep_up_ratio"
+KEEP_UP_HELP: str = ("Modelled time the simulated engine advanced while busy / (wall time busy x time scale); "
+                     "under 1 it ran slower than modelled (misat simulator, not a vLLM metric)")
+KEEP_UP_WINDOW_LABEL: str = "window"
+
+KeepUpSource = Callable[[], dict[str, float | None]]
+"""Keep-up figures by window label (None: no busy time yet)."""
+
+
+class _KeepUpCollector(Collector):
+    def __init__(self, source: KeepUpSource, labels: dict[str, str]) -> None:
+        self._source = source
+        self._labels = labels
+
+    def collect(self) -> Iterator[Metric]:
+        g = GaugeMetricFamily(KEEP_UP_METRIC, KEEP_UP_HELP, labels=[*self._labels, KEEP_UP_WINDOW_LABEL])
+        for window, value in self._source().items():
+            if value is not None:
+                g.add_metric([*self._labels.values(), window], value)
+        yield g
 
 
 class _EngineStateCollector(Collector):
@@ -97,7 +123,10 @@ class EngineMetrics:
 
     def __init__(self, engine: SimEngine, model_name: str, engine_index: int = 0) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
+        self.engine_index = engine_index
         labels = {vm.ENGINE_LABEL: str(engine_index), vm.MODEL_LABEL: model_name}
+        self._labels = labels
+        self._keep_up: _KeepUpCollector | None = None
         limits = engine.limits
         cache_labels = {
             vm.BLOCK_SIZE_LABEL: str(limits.block_size),
@@ -117,6 +146,13 @@ class EngineMetrics:
     def _histogram(self, metric: vm.VllmMetric, labels: dict[str, str], buckets: tuple[float, ...]) -> Histogram:
         family = Histogram(metric.name, metric.help, list(labels), registry=self.registry, buckets=buckets)
         return family.labels(**labels)
+
+    def set_keep_up_source(self, source: KeepUpSource) -> None:
+        """Serve ``misat_sim_keep_up_ratio`` from ``source`` (the engine loop's meter)."""
+        if self._keep_up is not None:
+            self.registry.unregister(self._keep_up)
+        self._keep_up = _KeepUpCollector(source, self._labels)
+        self.registry.register(self._keep_up)
 
     def observe_finished(self, f: FinishedRequest) -> None:
         """Record a finished request's latencies (modelled seconds)."""

@@ -5,9 +5,11 @@ Serves what the router and the benchmarks use from a real vLLM OpenAI server
 ``/v1/completions``, ``/v1/chat/completions`` (streaming with
 ``stream_options.include_usage``; ``return_token_ids``), ``/tokenize``,
 ``/v1/models``, ``/health``, ``/load``, ``/version``, ``POST /reset_prefix_cache``
-and ``/metrics``. Differences from vLLM are listed in docs/simulator.md (for
-instance ``usage.prompt_tokens_details.cached_tokens`` is always present,
-where vLLM needs ``--enable-prompt-tokens-details``).
+and ``/metrics``; plus the simulator's own ``/misat/keep_up`` (JSON: whether the
+engine keeps pace with the wall clock, ``misat_sim.engine_loop``). Differences
+from vLLM are listed in docs/simulator.md (for instance
+``usage.prompt_tokens_details.cached_tokens`` is always present, where vLLM
+needs ``--enable-prompt-tokens-details``).
 
 ``create_app(config)`` builds the app; ``start_server(config, host, port)``
 runs one on a port (0 picks a free one) and returns its base URL and a stop
@@ -47,6 +49,8 @@ from misat_sim.tokenizer import WordTokenizer, render_chat
 
 SIM_VERSION: str = "0.32.0+misat-sim"
 """Reported by ``/version``: the vLLM version whose surface is reproduced."""
+KEEP_UP_PATH: str = "/misat/keep_up"
+"""The simulator's keep-up figures as JSON (not a vLLM endpoint)."""
 LISTEN_BACKLOG = 2048
 """Listen queue length: uvicorn's default, which vLLM's API server runs with."""
 
@@ -96,6 +100,7 @@ def create_app(config: SimEngineConfig) -> web.Application:
     app.router.add_get("/load", _load)
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/metrics", _metrics)
+    app.router.add_get(KEEP_UP_PATH, _keep_up)
     app.router.add_post("/reset_prefix_cache", _reset_prefix_cache)
     app.router.add_post("/tokenize", _tokenize)
     app.router.add_post("/v1/completions", _completions)
@@ -173,6 +178,13 @@ async def _metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
 
+async def _keep_up(request: web.Request) -> web.Response:
+    loop = request.app[STATE].loop
+    body: dict[str, Any] = {"engine_index": loop.metrics.engine_index, "time_scale": loop.time_scale,
+                            "delivery_slice_s": loop.delivery_slice_s, **loop.keep_up().as_dict()}
+    return web.json_response(body)
+
+
 async def _reset_prefix_cache(request: web.Request) -> web.Response:
     ok = request.app[STATE].engine.reset_prefix_cache()
     # vLLM answers 200 either way (a refused reset is only logged); the header tells which.
@@ -241,6 +253,7 @@ def _submit(
         ignore_eos=body.ignore_eos,
         sample_seed=body.seed,
         greedy=body.temperature == 0,
+        stream=body.stream,
     )
     return rid, stream
 

@@ -76,6 +76,8 @@ async def test_local_pool_serves_and_reloads_admission_live(tmp_path: Path) -> N
         out = await client.completions.create(model=pool.spec.model.served, prompt=[5, 6, 7, 8], max_tokens=4)
         assert out.usage is not None and out.usage.completion_tokens == 4
         await client.close()
+        [keep_up] = await pool.engine_keep_up()  # the simulated engine's own figures
+        assert keep_up is not None and keep_up["busy_s"] > 0 and keep_up["url"] == pool.engine_urls[0]
         before = await pool.status()
         assert before["generation"] == 1
         edited = yaml.safe_load(manifest.read_text())
@@ -125,6 +127,7 @@ def test_demo_runs_end_to_end_and_writes_its_report(tmp_path: Path) -> None:
     run = result["runs"][0]
     assert run["policy"] == "misa"
     assert run["trainer"]["units_completed"] > 0 and run["trainer"]["errors"] == 0
+    assert len(run["keep_up"]) == 1 and run["keep_up"][0]["run"] is not None
     # Drained: every released unit completed, so the consumed mixture is the released one.
     assert run["trainer"]["units_in_flight"] == 0
     assert (out / "demo.png").stat().st_size > 0

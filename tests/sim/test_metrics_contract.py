@@ -45,12 +45,18 @@ def test_every_exported_series_is_a_contract_metric() -> None:
     contract = {
         m.name: m for m in vars(vm).values() if isinstance(m, vm.VllmMetric)
     }
-    page = EngineMetrics(_busy_engine(), "tiny").render().decode()
+    metrics = EngineMetrics(_busy_engine(), "tiny")
+    metrics.set_keep_up_source(lambda: {"run": 0.97, "recent": None})
+    page = metrics.render().decode()
     families = list(text_string_to_metric_families(page))
+    assert "misat_sim_keep_up_ratio" in {f.name for f in families}
+    assert not any(f.name.startswith(vm.PREFIX) and "keep_up" in f.name for f in families)
     assert families
     for family in families:
         if family.name.endswith("_created"):
             continue  # prometheus_client's creation timestamps, as on a real vLLM server
+        if family.name.startswith("misat_sim_"):
+            continue  # the simulator's own series (keep-up), under its own prefix
         # prometheus_client's parser drops a counter's _total from the family name.
         spec = contract.get(family.name)
         assert spec is not None, f"{family.name} is served but not in the contract"

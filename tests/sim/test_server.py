@@ -258,3 +258,19 @@ def test_command_line_maps_to_config() -> None:
     assert (cfg.model_name(), cfg.time_scale, cfg.seed) == ("m", 10.0, 4)
     assert (limits.num_gpu_blocks, limits.max_num_seqs, limits.max_model_len) == (32, 8, 1024)
     assert limits.enable_prefix_caching is False
+
+
+async def test_keep_up_is_served_as_json_and_a_misat_gauge(client, server) -> None:
+    await client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=3, extra_body={"ignore_eos": True})
+    async with aiohttp.ClientSession() as s:
+        async with s.get(server.base_url + "/misat/keep_up") as resp:
+            body = await resp.json()
+        async with s.get(server.base_url + "/metrics") as resp:
+            text = await resp.text()
+    assert body["time_scale"] == 2000.0 and body["engine_index"] == 0
+    assert body["busy_s"] > 0 and 0 < body["run"] <= 1.0 and body["skipped_s"] >= 0
+    assert {"recent", "advanced_s", "delivery_lag_s", "low", "busy", "delivery_slice_s"} <= set(body)
+    gauges = [s for fam in text_string_to_metric_families(text) for s in fam.samples
+              if s.name == "misat_sim_keep_up_ratio"]
+    assert {g.labels["window"] for g in gauges} >= {"run"}
+    assert all(g.labels["engine"] == "0" and g.labels["model_name"] == MODEL for g in gauges)
