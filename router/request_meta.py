@@ -67,6 +67,19 @@ def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+_INT_ONLY = frozenset((int,))
+
+
+def _all_ints(values: list[Any]) -> bool:
+    """Every item is an ``int`` and none a ``bool``, checked in C (prompts run to 100K ids).
+
+    Decoded JSON holds exact ``int`` objects only, so exact type equality is
+    ``_is_int`` for every item; a generator over ``_is_int`` was a quarter of
+    the router's CPU at 10 requests/s of 20K-token prompts.
+    """
+    return set(map(type, values)) == _INT_ONLY
+
+
 def _parse_bool(value: object, param: str) -> bool:
     if isinstance(value, bool):
         return value
@@ -158,11 +171,11 @@ def _completion_prompt(prompt: object, chars_per_token: float) -> _Prompt:
     if isinstance(prompt, str):
         return _Prompt(None, prompt, _estimate(prompt, chars_per_token))
     if isinstance(prompt, list) and prompt:
-        if all(_is_int(t) for t in prompt):
+        if _all_ints(prompt):
             return _Prompt(tuple(prompt), None, len(prompt))
         if all(isinstance(p, str) for p in prompt):
             return _Prompt(None, prompt[0], sum(_estimate(p, chars_per_token) for p in prompt))
-        if all(isinstance(p, list) and p and all(_is_int(t) for t in p) for p in prompt):
+        if all(isinstance(p, list) and p and _all_ints(p) for p in prompt):
             return _Prompt(tuple(prompt[0]), None, sum(len(p) for p in prompt))
     raise InvalidRequest(
         "prompt must be a string, a non-empty list of token ids, or a list of either",

@@ -95,3 +95,18 @@ def test_chat_requires_messages() -> None:
     with pytest.raises(InvalidRequest) as info:
         parse({"messages": []}, {"X-Rollout-Class": "rlvr"}, kind=EndpointKind.CHAT)
     assert info.value.param == "messages"
+
+
+@pytest.mark.parametrize("prompt", [
+    [1, True, 3], [False], [1, 2.0], [1, "2"], [1, None], [[1, 2], [3, True]], [[1], [2.5]],
+], ids=["bool", "false", "float", "str", "null", "nested-bool", "nested-float"])
+def test_token_id_prompts_must_hold_integers_only(prompt: list[object]) -> None:
+    with pytest.raises(InvalidRequest) as exc:
+        parse({"prompt": prompt, "rollout": {"class": "rlvr"}})
+    assert exc.value.param == "prompt"
+
+
+def test_token_id_prompts_of_integers_are_taken_as_ids() -> None:
+    assert parse({"prompt": [0, 5, 2**40], "rollout": {"class": "rlvr"}}).meta.prompt_token_ids == (0, 5, 2**40)
+    batched = parse({"prompt": [[7, 8], [9]], "rollout": {"class": "rlvr"}}).meta
+    assert batched.prompt_token_ids == (7, 8) and batched.prompt_tokens == 3
