@@ -34,7 +34,7 @@ Algorithm (``docs/misa-t.md`` is the specification):
 from __future__ import annotations
 
 import math
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 from .base import Engines, Policy, healthy_ids
@@ -84,6 +84,9 @@ class MisaPolicy(Policy):
         # (time, +1 placed / -1 finished) per engine since its last scrape.
         self._events: dict[str, deque[tuple[float, int]]] = {}
         self._key_memo: dict[str, PromptKeys] = {}
+        # Session key -> keys of its last placed prompt, least recently placed first.
+        self._last_prompt: OrderedDict[str, PromptKeys] = OrderedDict()
+        self._last_prompt_symbols = 0
         self._set_mix_bounds(mix)
 
     def _set_mix_bounds(self, mix: WorkloadMix) -> None:
@@ -203,11 +206,29 @@ class MisaPolicy(Policy):
     def _keys(self, req: RequestMeta) -> PromptKeys:
         keys = self._key_memo.get(req.request_id)
         if keys is None:
-            keys = prompt_keys(req, self.settings.prefix)
+            keys = self._prompt_keys(req)
             if len(self._key_memo) >= _KEY_MEMO_LIMIT:
                 self._key_memo.clear()
             self._key_memo[req.request_id] = keys
         return keys
+
+    def _prompt_keys(self, req: RequestMeta) -> PromptKeys:
+        """The prompt's keys, those of blocks shared with the session's last prompt reused."""
+        last = self._last_prompt.get(req.session_key) if req.session_id is not None else None
+        return prompt_keys(req, self.settings.prefix, last)
+
+    def _remember_prompt(self, session_key: str, keys: PromptKeys) -> None:
+        self._forget_prompt(session_key)
+        self._last_prompt[session_key] = keys
+        self._last_prompt_symbols += keys.symbols
+        while self._last_prompt_symbols > self.settings.prefix.session_prompt_cache_symbols:
+            _, oldest = self._last_prompt.popitem(last=False)
+            self._last_prompt_symbols -= oldest.symbols
+
+    def _forget_prompt(self, session_key: str) -> None:
+        keys = self._last_prompt.pop(session_key, None)
+        if keys is not None:
+            self._last_prompt_symbols -= keys.symbols
 
     def _prompt_len(self, req: RequestMeta) -> float:
         if req.prompt_tokens:
@@ -331,8 +352,10 @@ class MisaPolicy(Policy):
     def on_placed(self, req: RequestMeta, engine_id: str, now: float) -> None:
         super().on_placed(req, engine_id, now)
         self._events.setdefault(engine_id, deque()).append((now, 1))
-        keys = self._key_memo.pop(req.request_id, None) or prompt_keys(req, self.settings.prefix)
+        keys = self._key_memo.pop(req.request_id, None) or self._prompt_keys(req)
         self.index.insert(keys, engine_id)
+        if req.session_id is not None and not req.end_of_session:
+            self._remember_prompt(req.session_key, keys)
         live = self.sessions.get(req.session_key)
         if live is None:
             live = self.sessions[req.session_key] = LiveSession(req.workload_class, engine_id, now)
@@ -369,6 +392,7 @@ class MisaPolicy(Policy):
         self.class_known_tokens[b] = self.class_known_tokens.get(b, 0) - live.known_tokens
 
     def on_session_end(self, session_key: str, now: float) -> None:
+        self._forget_prompt(session_key)
         live = self.sessions.pop(session_key, None)
         if live is None:
             return
@@ -438,6 +462,8 @@ class MisaPolicy(Policy):
         if settings.prefix != old.prefix:
             self.index = PrefixIndex(settings.prefix)
             self._key_memo.clear()
+            self._last_prompt.clear()
+            self._last_prompt_symbols = 0
         for guard in self.guards.values():
             guard.settings = settings.admission
         for estimators, cfg in ((self.footprint, settings.footprint), (self.residency, settings.residency)):

@@ -13,14 +13,21 @@ separate key space; a character match is converted to tokens with
 Layout, chosen for the decision path: one dict maps a key to a bitmask of the
 engines that hold it, so matching a prompt against every engine walks the
 prompt's keys once, stopping when no engine still matches, instead of once
-per engine. Each engine keeps its keys in LRU order for trimming.
+per engine. Each engine keeps its keys in LRU order for trimming; inserting a
+prompt moves the keys the engine already holds to the recent end and touches
+the bitmask dict only for keys new to the engine. A prompt's keys are computed
+once (``PromptKeys``) for the decision and the insert after it, and a
+session's next prompt can take the keys of the blocks it shares with the last
+one (``PromptKeys.continue_from``) instead of hashing them again.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping
+from itertools import islice
 
+from .radix_tree import common_prefix
 from .settings import PrefixIndexSettings
 from .types import RequestMeta
 
@@ -35,7 +42,7 @@ _KEY_MASK = (1 << 64) - 1
 
 
 _BATCH = 32
-"""Keys computed per extension of a lazy chain (amortises the loop set-up)."""
+"""Keys computed per extension of a lazy chain while matching (amortises the loop set-up)."""
 
 
 class PromptKeys:
@@ -46,9 +53,13 @@ class PromptKeys:
     (and if) the prompt is inserted after placement. Key ``i`` depends on
     every block before it (``parent * M ^ hash(block)``), so equal blocks under
     different prefixes get different keys, as vLLM's chained block hashes do.
+
+    Token blocks are hashed by one iterator in C (a ``zip`` of the prompt's
+    iterator with itself yields each block as a tuple, which ``zip`` reuses once
+    hashed), so Python only chains them; text chunks are hashed as slices.
     """
 
-    __slots__ = ("_computed", "_count", "_source", "_step", "tokens_per_key")
+    __slots__ = ("_blocks", "_count", "_keys", "_parent", "_seed", "_source", "_step", "tokens_per_key")
 
     def __init__(
         self, source: tuple[int, ...] | str, step: int, count: int, seed: int, tokens_per_key: float
@@ -56,43 +67,96 @@ class PromptKeys:
         self._source = source
         self._step = step
         self._count = count
-        self._computed: list[int] = [seed]  # index 0 is the chain seed, not a key
+        self._seed = seed
+        self._keys: list[int] = []
+        self._parent = seed  # the last key computed (the chain seed before the first)
+        self._blocks: Iterator[int] | None = None
         self.tokens_per_key = tokens_per_key
 
     def __len__(self) -> int:
         return self._count
 
+    @property
+    def symbols(self) -> int:
+        """Length of the prompt (token ids or characters) these keys were cut from."""
+        return len(self._source)
+
+    def continue_from(self, previous: PromptKeys) -> int:
+        """Take the keys of the blocks this prompt shares with ``previous`` (e.g. the prompt of
+        the session's last turn) instead of hashing them again; returns how many.
+
+        Exact: key ``i`` is a function of blocks ``0..i`` alone, and the shared blocks are
+        found by comparing the prompts themselves. Only before any key is computed.
+        """
+        if (
+            self._keys
+            or previous._step != self._step
+            or previous._seed != self._seed
+            or type(previous._source) is not type(self._source)
+        ):
+            return 0
+        shared = min(common_prefix(self._source, 0, previous._source) // self._step,
+                     len(previous._keys), self._count)
+        if shared:
+            self._keys = previous._keys[:shared]
+            self._parent = self._keys[-1]
+        return shared
+
     def _extend(self, upto: int) -> None:
-        computed, src, step = self._computed, self._source, self._step
-        parent = computed[-1]
-        append = computed.append
-        first = len(computed) - 1
-        for start in range(first * step, min(upto, self._count) * step, step):
-            parent = ((parent * _CHAIN_MULTIPLIER) ^ hash(src[start : start + step])) & _KEY_MASK
-            append(parent)
+        keys = self._keys
+        have = len(keys)
+        n = min(upto, self._count) - have
+        if n <= 0:
+            return
+        src, step = self._source, self._step
+        parent = self._parent
+        append = keys.append
+        if isinstance(src, str):
+            for start in range(have * step, (have + n) * step, step):
+                parent = ((parent * _CHAIN_MULTIPLIER) ^ hash(src[start : start + step])) & _KEY_MASK
+                append(parent)
+        else:
+            blocks = self._blocks
+            if blocks is None:
+                # The hashes of the blocks from the first without a key on: hash(tuple of a
+                # block's ids) == hash(src[i:i + step]), so the keys do not depend on how the
+                # blocks are cut out. A partial last block is dropped by zip.
+                blocks = self._blocks = map(hash, zip(*[iter(src[have * step:] if have else src)] * step,
+                                                      strict=False))
+            for h in islice(blocks, n):
+                parent = ((parent * _CHAIN_MULTIPLIER) ^ h) & _KEY_MASK
+                append(parent)
+            if len(keys) == self._count:
+                self._blocks = None  # done: drop the iterators
+        self._parent = parent
+
+    def _all(self) -> list[int]:
+        """Every key, in order (computes the whole chain); the list is the object's own."""
+        if len(self._keys) < self._count:
+            self._extend(self._count)
+        return self._keys
 
     def __iter__(self) -> Iterator[int]:
-        i = 1
-        computed = self._computed
-        while i <= self._count:
-            if i >= len(computed):
-                self._extend(i - 1 + _BATCH)
-            yield computed[i]
+        i = 0
+        keys = self._keys
+        while i < self._count:
+            if i >= len(keys):
+                self._extend(i + _BATCH)
+            yield keys[i]
             i += 1
 
     @property
     def keys(self) -> tuple[int, ...]:
         """Every key (computes the whole chain)."""
-        self._extend(self._count)
-        return tuple(self._computed[1:])
+        return tuple(self._all())
 
 
 def token_keys(token_ids: tuple[int, ...], block_size: int) -> PromptKeys:
     """Lazy chained keys of the full blocks of ``token_ids`` (a partial last block has no key).
 
-    Blocks are hashed as tuple slices of the prompt itself: no up-front conversion of the
-    whole prompt, so a decision pays only for the blocks it walks. (Hashes of int tuples are
-    not salted, so keys are the same in every process.)
+    Blocks are hashed as tuples of the prompt's own ids, as the chain reaches them: no
+    up-front conversion of the whole prompt, so a decision pays only for the blocks it walks.
+    (Hashes of int tuples are not salted, so keys are the same in every process.)
     """
     return PromptKeys(token_ids, block_size, len(token_ids) // block_size, _TOKEN_CHAIN_SEED,
                       float(block_size))
@@ -108,12 +172,22 @@ def token_block_keys(token_ids: tuple[int, ...], block_size: int) -> tuple[int, 
     return token_keys(token_ids, block_size).keys
 
 
-def prompt_keys(req: RequestMeta, settings: PrefixIndexSettings) -> PromptKeys:
-    """Keys of a request's prompt: token blocks when ids are known, else text chunks."""
+def prompt_keys(
+    req: RequestMeta, settings: PrefixIndexSettings, previous: PromptKeys | None = None
+) -> PromptKeys:
+    """Keys of a request's prompt: token blocks when ids are known, else text chunks.
+
+    ``previous``: keys of an earlier prompt (the session's last turn) whose shared leading
+    blocks are taken rather than hashed again; the keys are the same either way.
+    """
     if req.prompt_token_ids is not None:
-        return token_keys(req.prompt_token_ids, settings.block_size)
-    return text_keys(req.prompt_text or "", settings.text_chunk_chars,
-                     settings.text_chunk_chars / settings.chars_per_token)
+        keys = token_keys(req.prompt_token_ids, settings.block_size)
+    else:
+        keys = text_keys(req.prompt_text or "", settings.text_chunk_chars,
+                         settings.text_chunk_chars / settings.chars_per_token)
+    if previous is not None:
+        keys.continue_from(previous)
+    return keys
 
 
 class PrefixIndex:
@@ -146,23 +220,26 @@ class PrefixIndex:
     def match(self, keys: PromptKeys, engine_ids: Iterable[str]) -> dict[str, float]:
         """Expected prefix-hit tokens per engine (0 for engines that match nothing)."""
         result = dict.fromkeys(engine_ids, 0.0)
-        if not len(keys):
+        total = len(keys)
+        if not total:
             return result
         alive = 0
         for e in result:
             bit = self._bit.get(e)
             if bit is not None:
                 alive |= 1 << bit
-        owners = self._owners
+        get = self._owners.get
+        computed = keys._keys  # grows in place as the chain is extended
         depth = 0
-        for key in keys:
-            held = owners.get(key, 0) & alive
-            dropped = alive & ~held
-            if dropped:
-                self._credit(result, dropped, depth * keys.tokens_per_key)
-            alive = held
-            if not alive:
-                break
+        while depth < total:
+            if depth == len(computed):
+                keys._extend(depth + _BATCH)
+            held = get(computed[depth], 0) & alive
+            if held != alive:
+                self._credit(result, alive & ~held, depth * keys.tokens_per_key)
+                alive = held
+                if not alive:
+                    break
             depth += 1
         if alive:
             self._credit(result, alive, depth * keys.tokens_per_key)
@@ -182,11 +259,16 @@ class PrefixIndex:
             return
         flag = 1 << self._bit_for(engine_id)
         lru = self._lru[engine_id]
+        move = lru.move_to_end
         owners = self._owners
-        for key in keys.keys:
-            owners[key] = owners.get(key, 0) | flag
-            lru[key] = None
-            lru.move_to_end(key)
+        for key in keys._all():
+            # A key in the engine's LRU already has the engine's bit in ``owners`` (the two
+            # change together), so only a new key touches ``owners``.
+            if key in lru:
+                move(key)
+            else:
+                lru[key] = None
+                owners[key] = owners.get(key, 0) | flag
         self._trim(engine_id)
 
     def _trim(self, engine_id: str) -> None:

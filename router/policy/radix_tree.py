@@ -8,7 +8,9 @@ through it. Inserting a prompt for an engine stamps every node on its path
 holding a node also holds all of that node's ancestors. That invariant lets
 ``match`` read every engine's matched length off the one path the prompt
 takes: the cost is the prompt's length plus the engines on that path, never
-the size of the tree.
+the size of the tree. Runs are compared as slices, in C; an insert of the
+prompt object a ``match`` just walked (a policy decides, then learns) reuses
+that walk while the tree is unchanged.
 
 Size. An engine's size is the total length of the edges it holds (tokens for
 token-id trees, characters for text trees), which is what the vLLM Router's
@@ -36,19 +38,40 @@ from typing import Generic, TypeVar
 
 S = TypeVar("S", tuple[int, ...], str)
 
-_CHUNK = 64
-"""Symbols compared per slice when looking for where two runs diverge (speed only)."""
+_CHUNK = 4096
+"""Most symbols compared in one slice when looking for where two runs diverge (speed only:
+one C comparison for a typical edge, and slices small enough to stay off mmap'd memory)."""
+
+_LINEAR = 16
+"""Below this many symbols the divergence is found one symbol at a time (speed only)."""
 
 
-def _common_prefix(a: Sequence[Hashable], a_start: int, b: Sequence[Hashable]) -> int:
-    """Length of the common prefix of ``a[a_start:]`` and ``b``, comparing slices in C."""
-    limit = min(len(a) - a_start, len(b))
+def common_prefix(a: Sequence[Hashable], a_start: int, b: Sequence[Hashable]) -> int:
+    """Length of the common prefix of ``a[a_start:]`` and ``b``, comparing slices in C.
+
+    Chunks of up to ``_CHUNK`` symbols that are equal are skipped whole (a whole edge, as a
+    rule: ``b[0:len(b)]`` is ``b`` itself, not a copy); the chunk where the runs differ is
+    bisected on the equality of its halves. Python does O(log n) steps per divergence.
+    """
+    limit = max(0, min(len(a) - a_start, len(b)))
     n = 0
-    while n + _CHUNK <= limit and a[a_start + n : a_start + n + _CHUNK] == b[n : n + _CHUNK]:
-        n += _CHUNK
-    while n < limit and a[a_start + n] == b[n]:
-        n += 1
-    return n
+    while n < limit:
+        end = n + _CHUNK
+        if end > limit:
+            end = limit
+        if a[a_start + n : a_start + end] != b[n:end]:
+            # The first difference lies in [n, end).
+            while end - n > _LINEAR:
+                mid = (n + end) >> 1
+                if a[a_start + n : a_start + mid] == b[n:mid]:
+                    n = mid
+                else:
+                    end = mid
+            while a[a_start + n] == b[n]:
+                n += 1
+            return n
+        n = end
+    return limit
 
 
 class _Node(Generic[S]):
@@ -69,8 +92,31 @@ class RadixTree(Generic[S]):
         self._empty: S = empty
         self._root: _Node[S] = _Node(empty, None)
         self._size: dict[str, int] = {}
+        # The path of the last ``match``, kept until the tree next changes: a policy matches a
+        # prompt and then inserts that same prompt for the engine it chose, and the insert
+        # walks the very same path (a cache only: answers never depend on it).
+        self._walked: tuple[S, list[tuple[_Node[S], int]]] | None = None
 
     # ---- reading --------------------------------------------------------
+
+    def _path(self, seq: S) -> list[tuple[_Node[S], int]]:
+        """The nodes ``seq`` runs into, each with the depth reached at its end (or inside it, last)."""
+        path: list[tuple[_Node[S], int]] = []
+        node = self._root
+        depth = 0
+        end = len(seq)
+        while depth < end:
+            child = node.children.get(seq[depth])
+            if child is None:
+                break
+            edge = child.edge
+            shared = common_prefix(seq, depth, edge)
+            depth += shared
+            path.append((child, depth))
+            if shared < len(edge):
+                break
+            node = child
+        return path
 
     def match(self, seq: S) -> dict[str, int]:
         """Matched prefix length of ``seq`` per engine (engines matching nothing are absent).
@@ -79,24 +125,17 @@ class RadixTree(Generic[S]):
         order they joined the node where their match ends (the vLLM Router
         routes a cache hit to the earliest of them).
         """
-        path: list[tuple[_Node[S], int]] = []
-        node = self._root
-        depth = 0
-        while depth < len(seq):
-            child = node.children.get(seq[depth])
-            if child is None:
-                break
-            shared = _common_prefix(seq, depth, child.edge)
-            depth += shared
-            path.append((child, depth))
-            if shared < len(child.edge):
-                break
-            node = child
+        path = self._path(seq)
+        self._walked = (seq, path)
         out: dict[str, int] = {}
         for child, reached in reversed(path):
-            for engine in child.access:
-                if engine not in out:
-                    out[engine] = reached
+            access = child.access
+            # Holders of a node hold its ancestors, so a node with no more holders than
+            # found so far adds none.
+            if len(access) > len(out):
+                for engine in access:
+                    if engine not in out:
+                        out[engine] = reached
         return out
 
     def size(self, engine_id: str) -> int:
@@ -116,26 +155,29 @@ class RadixTree(Generic[S]):
 
     def insert(self, seq: S, engine_id: str, now: float) -> None:
         """Record that ``engine_id`` now holds ``seq``; stamps its whole path with ``now``."""
-        self._size.setdefault(engine_id, 0)
+        walked, self._walked = self._walked, None
+        path = walked[1] if walked is not None and walked[0] is seq else self._path(seq)
+        size = self._size
+        size.setdefault(engine_id, 0)
         node = self._root
         depth = 0
-        while depth < len(seq):
-            child = node.children.get(seq[depth])
-            if child is None:
-                leaf: _Node[S] = _Node(seq[depth:], node)
-                node.children[seq[depth]] = leaf
-                self._stamp(leaf, engine_id, now)
-                return
-            shared = _common_prefix(seq, depth, child.edge)
-            if shared < len(child.edge):
-                child = self._split(child, shared)
-            self._stamp(child, engine_id, now)
-            depth += shared
+        for child, reached in path:
+            if reached - depth < len(child.edge):
+                child = self._split(child, reached - depth)
+            if engine_id not in child.access:
+                size[engine_id] += len(child.edge)
+            child.access[engine_id] = now
+            depth = reached
             node = child
+        if depth < len(seq):
+            leaf: _Node[S] = _Node(seq[depth:], node)
+            node.children[seq[depth]] = leaf
+            self._stamp(leaf, engine_id, now)
 
     def evict(self, max_size: int) -> int:
         """Trim every engine to ``max_size`` by dropping its LRU leaves; returns symbols freed."""
         over = {e for e, n in self._size.items() if n > max_size}
+        self._walked = None
         if not over:
             return 0
         heaps: dict[str, list[tuple[float, int, _Node[S]]]] = {e: [] for e in over}
@@ -167,6 +209,7 @@ class RadixTree(Generic[S]):
 
     def remove_engine(self, engine_id: str) -> None:
         """Forget everything ``engine_id`` held (it left the pool)."""
+        self._walked = None
         if self._size.pop(engine_id, None) is None:
             return
         for node in list(self._walk()):

@@ -79,6 +79,14 @@ class PrefixIndexSettings(_Settings):
         description="Characters per token used to turn a text prefix match into tokens and to "
         "estimate a text prompt's length (project default; typical of BPE vocabularies).",
     )
+    session_prompt_cache_symbols: int = Field(
+        1 << 20, ge=0,
+        description="Token ids (or characters) of multi-turn sessions' last prompts kept, least "
+        "recently placed dropped first, so that a session's next turn reuses their block keys "
+        "instead of hashing its whole context again. A cost bound only: decisions are the same at "
+        "any value, 0 turns the reuse off (project default: 2^20 ids, 8 MiB of references plus up "
+        "to 32 MiB of int objects in the live router, where every body's ids are new objects).",
+    )
 
 
 class PlacementSettings(_Settings):

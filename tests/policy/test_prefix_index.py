@@ -83,3 +83,52 @@ def test_match_equals_longest_common_full_block_prefix(inserts: list, probe: lis
                 n += 1
             best = max(best, (n // 4) * 4)
         assert got[engine] == best
+
+
+# ---- keys carried over from a session's last prompt ---------------------------------
+
+@settings(max_examples=300, deadline=None)
+@given(
+    prev=st.lists(st.integers(0, 2), max_size=40),
+    keep=st.integers(0, 40),
+    tail=st.lists(st.integers(0, 2), max_size=20),
+    block=st.integers(1, 5),
+    computed=st.integers(0, 12),
+    text=st.booleans(),
+)
+def test_keys_continued_from_an_earlier_prompt_equal_fresh_ones(
+    prev: list[int], keep: int, tail: list[int], block: int, computed: int, text: bool
+) -> None:
+    s = PrefixIndexSettings(block_size=block, text_chunk_chars=block, chars_per_token=1.0)
+    new = prev[:keep] + tail
+
+    def req(ids: list[int]) -> RequestMeta:
+        if text:
+            return RequestMeta("r", "c", prompt_text="".join("xyz"[i] for i in ids))
+        return RequestMeta("r", "c", prompt_token_ids=tuple(ids))
+
+    earlier = prompt_keys(req(prev), s)
+    earlier._extend(computed)  # an earlier prompt may have been matched only part of the way
+    continued = prompt_keys(req(new), s, earlier)
+    fresh = prompt_keys(req(new), s)
+    assert continued.keys == fresh.keys
+    lcp = 0
+    while lcp < min(len(prev), len(new)) and prev[lcp] == new[lcp]:
+        lcp += 1
+    assert len(continued) == len(fresh)
+    reused = prompt_keys(req(new), s).continue_from(earlier)
+    assert reused == min(lcp // block, min(computed, len(earlier)), len(new) // block)
+
+
+def test_keys_are_not_continued_across_kinds_or_block_sizes() -> None:
+    ids = tuple(range(32))
+    tokens = prompt_keys(RequestMeta("r", "c", prompt_token_ids=ids), S)
+    assert tokens.keys
+    other = PrefixIndexSettings(block_size=8, text_chunk_chars=8, chars_per_token=4.0)
+    assert prompt_keys(RequestMeta("r", "c", prompt_token_ids=ids), other).continue_from(tokens) == 0
+    text = prompt_keys(RequestMeta("r", "c", prompt_text="x" * 32), S)
+    assert text.continue_from(tokens) == 0
+    started = prompt_keys(RequestMeta("r", "c", prompt_token_ids=ids), S)
+    started._extend(1)
+    assert started.continue_from(tokens) == 0, "only before any key is computed"
+    assert started.keys == tokens.keys

@@ -190,3 +190,64 @@ def test_long_prompts_share_one_path() -> None:
         tree.insert((*base, 10_000 + i), f"e{i % 8}", float(i))
     assert tree.node_count() == 51
     assert tree.match((*base, 10_003)) == {"e3": 4001, **{f"e{i}": 4000 for i in range(8) if i != 3}}
+
+
+# ---- the divergence search and the match-then-insert path -----------------------
+
+def _naive_common_prefix(a, a_start, b) -> int:
+    n = 0
+    while a_start + n < len(a) and n < len(b) and a[a_start + n] == b[n]:
+        n += 1
+    return n
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    length=st.sampled_from([0, 1, 15, 16, 17, 100, 4095, 4096, 4097, 9000]),
+    start=st.integers(0, 40),
+    cut=st.integers(0, 9100),
+    extra=st.integers(0, 3),
+    text=st.booleans(),
+)
+def test_common_prefix_finds_the_first_difference(length, start, cut, extra, text) -> None:
+    from misat_router.policy.radix_tree import common_prefix
+
+    ids = tuple(range(length + start))
+    other = ids[start:start + cut] + (-1,) * extra + ids[start + cut:]
+    a: tuple[int, ...] | str = ids
+    b: tuple[int, ...] | str = other
+    if text:
+        a, b = "".join(chr(65 + x % 50) for x in ids), "".join("~" if x < 0 else chr(65 + x % 50) for x in other)
+    assert common_prefix(a, start, b) == _naive_common_prefix(a, start, b)
+    assert common_prefix(a, len(a) + 3, b) == 0
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    ops=st.lists(
+        st.tuples(st.sampled_from(ENGINES), seqs, st.sampled_from(["none", "evict", "remove", "other", "match"]),
+                  seqs),
+        max_size=25,
+    ),
+    query=seqs,
+)
+def test_insert_after_match_builds_the_same_tree(ops, query) -> None:
+    """``insert`` reuses the path of a ``match`` of the same object; the tree is the one an
+    insert alone builds, whatever changed the tree in between."""
+    with_match, alone = token_tree(), token_tree()
+    for t, (engine, seq, between, other) in enumerate(ops):
+        with_match.match(seq)
+        for tree in (with_match, alone):
+            if between == "evict":
+                tree.evict(6)
+            elif between == "remove":
+                tree.remove_engine(engine)
+            elif between == "other":
+                tree.insert(other, engine, float(t))
+            elif between == "match" and tree is with_match:
+                tree.match(other)
+            tree.insert(seq, engine, float(t))
+        assert with_match.sizes() == alone.sizes()
+        assert list(with_match.match(query).items()) == list(alone.match(query).items())
+    shape = [[(n.edge, list(n.access.items())) for n in tree._walk()] for tree in (with_match, alone)]
+    assert shape[0] == shape[1]

@@ -7,7 +7,7 @@ on any of them must leave every figure of these runs as it was.
 
 Regenerate (only for an intended behaviour change, stated in the commit)::
 
-    MISAT_WRITE_GOLDEN=1 .venv/bin/pytest tests/sim/test_engine_equivalence.py
+    MISAT_UPDATE_GOLDEN=1 .venv/bin/pytest tests/sim/test_engine_equivalence.py
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ ids are drawn (not of what the engine does) may legitimately change them.
 Regenerate the golden file (only for a change that is *meant* to alter the
 engine's behaviour, stated in the commit)::
 
-    MISAT_WRITE_GOLDEN=1 .venv/bin/pytest tests/sim/test_engine_equivalence.py
+    MISAT_UPDATE_GOLDEN=1 .venv/bin/pytest tests/sim/test_engine_equivalence.py
 
 Each trace exercises one regime: healthy prefix reuse, thrashing (the working
 set exceeds KV, hits collapse), preemption (decode outgrows KV), chunked

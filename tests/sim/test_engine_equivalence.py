@@ -3,7 +3,7 @@ and short cluster runs with the router's policies (``cluster_traces.py``).
 
 A failure here means a change altered what clients or the router see, not just
 the engine's cost. If that is intended, regenerate the golden file
-(``MISAT_WRITE_GOLDEN=1 pytest tests/sim/test_engine_equivalence.py``) and say why in the commit.
+(``MISAT_UPDATE_GOLDEN=1 pytest tests/sim/test_engine_equivalence.py``) and say why in the commit.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 from . import cluster_traces
 from .engine_traces import GOLDEN, TRACES, run_trace, write_golden
 
-if os.environ.get("MISAT_WRITE_GOLDEN") == "1":
+if os.environ.get("MISAT_UPDATE_GOLDEN") == "1":
     write_golden()
     cluster_traces.write_golden()
 _golden = json.loads(GOLDEN.read_text())
