@@ -120,9 +120,9 @@ class EngineCounters:
 def _prompt_block_hashes(prompt: Sequence[int], block_size: int, known: Sequence[int]) -> list[int]:
     """Hashes of the prompt's full blocks, reusing ``known`` ones for its leading blocks."""
     n_full = len(prompt) // block_size
-    if not known:
-        return block_hashes_for(prompt, block_size)
     reused = list(known[:n_full])
+    if not reused:  # nothing known, or a prompt shorter than one block
+        return block_hashes_for(prompt, block_size)
     reused += block_hashes_for(prompt, block_size, start_block=len(reused), parent_hash=reused[-1])
     return reused
 

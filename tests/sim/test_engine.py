@@ -106,3 +106,14 @@ def test_profiles_are_frozen_and_unknown_names_fail() -> None:
     with pytest.raises(Exception):  # noqa: B017 - pydantic frozen instance error
         p.block_size = 32  # type: ignore[misc]
     assert 1_000_000 < p.kv_capacity_tokens < 1_600_000
+
+
+def test_known_prefix_hashes_give_the_hashes_computed_from_scratch(make_engine) -> None:
+    from misat_sim.engine import _prompt_block_hashes
+    from misat_sim.kv_cache import block_hashes_for
+
+    prompt = list(range(10, 40))  # 7 full blocks of 4 and 2 tokens over
+    full = block_hashes_for(prompt, 4)
+    for known in (full[:0], full[:3], full, [*full, 123]):
+        assert _prompt_block_hashes(prompt, 4, known) == full
+    assert _prompt_block_hashes(prompt[:3], 4, full) == []  # shorter than one block
