@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-dev
 
-.PHONY: demo test lint typecheck bench microbench e2e clean
+.PHONY: install demo test lint typecheck bench microbench e2e clean
 
 $(PY):
 	$(PYTHON) -P -m venv $(VENV)
@@ -15,12 +15,17 @@ $(STAMP): pyproject.toml | $(PY)
 	$(PY) -P -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
+# Only the `misat` command (router, simulator, demo/up/status): no test or benchmark tools.
+install: | $(PY)
+	$(PY) -P -m pip install --quiet -e '.[cli]'
+	@echo "installed: $(VENV)/bin/misat ($$($(VENV)/bin/misat --version))"
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 # mypy resolves modules by folder name; the folders are mapped to import names in
 # pyproject.toml, so mypy reads them through links named as they import.
-TYPECHECK_LINKS := misat_router=router misat_sim=sim misat_operator=operator misat_cli=cli misat_bench=bench
+TYPECHECK_LINKS := misat_router=router misat_sim=sim misat_operator=operator misat_cli=cli misat_bench=bench misat_client=client
 typecheck: $(STAMP)
 	@mkdir -p build/typecheck
 	@for pair in $(TYPECHECK_LINKS); do ln -sfn ../../$${pair#*=} build/typecheck/$${pair%%=*}; done
@@ -44,3 +49,12 @@ clean:
 # Real vLLM (CPU build) end to end: its own environment, a tiny model built locally.
 e2e:
 	bash scripts/e2e.sh
+
+# The router/operator image (Dockerfile); needs a container builder (docker or podman).
+IMAGE_REPOSITORY ?= ghcr.io/misa-t/misa-t
+IMAGE_TAG ?= $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+CONTAINER_BUILDER ?= $(shell command -v docker || command -v podman)
+.PHONY: image
+image:
+	@test -n "$(CONTAINER_BUILDER)" || { echo "make image: no docker or podman on PATH" >&2; exit 2; }
+	$(CONTAINER_BUILDER) build -t $(IMAGE_REPOSITORY):$(IMAGE_TAG) .

@@ -116,14 +116,19 @@ class HttpSettings(BaseModel):
 def add_http_arguments(p: argparse.ArgumentParser) -> None:
     """Add the ``--http-*`` flags to the bench parser."""
     d = HttpSettings()
-    p.add_argument("--http-engines", type=int, default=d.engines)
-    p.add_argument("--http-time-scale", type=float, default=d.time_scale)
-    p.add_argument("--http-duration", type=float, default=d.duration_s, help="modelled seconds per HTTP run")
-    p.add_argument("--http-warmup", type=float, default=d.warmup_s)
+    p.add_argument("--http-engines", type=int, default=d.engines, help=f"engine replicas (default {d.engines})")
+    p.add_argument("--http-time-scale", type=float, default=d.time_scale,
+                   help=f"modelled seconds per wall second (default {d.time_scale:g})")
+    p.add_argument("--http-duration", type=float, default=d.duration_s,
+                   help=f"modelled seconds per HTTP run (default {d.duration_s:g})")
+    p.add_argument("--http-warmup", type=float, default=d.warmup_s,
+                   help=f"modelled seconds excluded from rates (default {d.warmup_s:g})")
     p.add_argument("--http-tuned", type=int, default=None, help="tuned ceiling (skips the cluster sweep)")
-    p.add_argument("--http-high", type=int, default=d.high_ceiling)
-    p.add_argument("--http-request-limit", type=int, default=None)
-    p.add_argument("--http-stream", action="store_true")
+    p.add_argument("--http-high", type=int, default=d.high_ceiling,
+                   help=f"the high ceiling MISA-T runs at (default {d.high_ceiling})")
+    p.add_argument("--http-request-limit", type=int, default=None,
+                   help="also run the binary with this --max-concurrent-requests")
+    p.add_argument("--http-stream", action="store_true", help="the trainer streams its requests")
     p.add_argument("--http-skip-cluster-check", action="store_true",
                    help="do not rerun each HTTP config on the cluster layer (saves CPU)")
     p.add_argument("--http-only", default=None,

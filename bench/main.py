@@ -66,10 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="small suite: 2 engines, short runs, steady + kv-half")
     p.add_argument("--workload", action="append", choices=[w.value for w in WorkloadName],
                    help="run only these workloads (repeatable)")
-    p.add_argument("--layer", choices=["cluster", "http", "all"], default="all")
+    p.add_argument("--layer", choices=["cluster", "http", "all"], default="all",
+                   help="cluster: the in-process simulation; http: the real binary over HTTP (default all)")
     p.add_argument("--engines", type=int, help="engine replicas")
     p.add_argument("--profile", help="engine profile (misat_sim.profiles)")
-    p.add_argument("--seed", type=int)
+    p.add_argument("--seed", type=int, help="workload seed (default: the suite's, 0)")
     p.add_argument("--duration", type=float, help="virtual seconds per continuous run")
     p.add_argument("--warmup", type=float, help="virtual seconds excluded from rates")
     p.add_argument("--ceilings", type=_ints, help="coarse trainer-ceiling grid, e.g. 64,128,256")
@@ -77,10 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--high", type=int, help="the high ceiling MISA-T and high-load run at")
     p.add_argument("--request-limits", type=_ints, help="router request limits swept on steady")
     p.add_argument("--iterations", type=int, help="iterations workload: weight updates")
-    p.add_argument("--jobs", type=int, default=DEFAULT_JOBS, help="parallel cluster runs")
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    p.add_argument("--jobs", type=int, default=DEFAULT_JOBS, help=f"parallel cluster runs (default {DEFAULT_JOBS})")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"result directory (default {DEFAULT_OUT})")
     p.add_argument("--no-cache", action="store_true", help="ignore and do not write the per-run cache")
-    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--no-plot", action="store_true", help="write no PNG plots")
     p.add_argument("--report-only", action="store_true",
                    help="run nothing: table, JSON and plot from the cached runs (a suite cut short)")
     from misat_bench.http_layer import add_http_arguments

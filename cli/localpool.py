@@ -121,6 +121,24 @@ def render_local_config(
     return RouterConfig.model_validate({**config.model_dump(), **overrides})
 
 
+def _flatten(value: Any, path: str, out: dict[str, Any]) -> None:
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _flatten(v, f"{path}.{k}", out)
+    else:
+        out[path] = value
+
+
+def manifest_changes(old: RolloutPoolSpec, new: RolloutPoolSpec) -> list[str]:
+    """What an edit changed, as the manifest spells it: ``spec.kvBudget.fraction: 0.9 -> 0.5``."""
+    a: dict[str, Any] = {}
+    b: dict[str, Any] = {}
+    _flatten(old.model_dump(mode="json", by_alias=True, exclude_none=True), "spec", a)
+    _flatten(new.model_dump(mode="json", by_alias=True, exclude_none=True), "spec", b)
+    return [f"{k}: {a.get(k, '(unset)')} -> {b.get(k, '(unset)')}" for k in sorted(a.keys() | b.keys())
+            if a.get(k) != b.get(k)]
+
+
 @dataclass
 class SimEngineProcess:
     url: str
@@ -191,8 +209,10 @@ class LocalPool:
             result = await self.client.push_config(self.router_url, self.admin_token, config)
         except RouterUnavailable as exc:
             raise PoolError(f"the router refused the new settings, the old ones stay: {exc}") from None
+        changes = manifest_changes(self.spec, spec)
         self.spec, self.config = spec, config
-        return f"applied generation {result.generation} (config {result.config_hash})"
+        listed = "; ".join(changes) if changes else "no setting changed"
+        return f"applied generation {result.generation} (config {result.config_hash}): {listed}"
 
     async def status(self) -> dict[str, Any]:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0)) as http, \

@@ -28,13 +28,25 @@ SUBCOMMANDS: dict[str, Subcommand] = {
     "router": Subcommand("misat_router.server", "main", "run the MISA-T router (OpenAI-compatible proxy)", None),
     "sim-engine": Subcommand("misat_sim.server", "main", "run one simulated vLLM engine", None),
     "replay": Subcommand("misat_cli.replay", "main", "replay a seeded synthetic trace through a policy", "cli"),
-    "demo": Subcommand("misat_cli.demo", "main", "the main job: a local RolloutPool under a mixed workload", "cli"),
+    "demo": Subcommand(
+        "misat_bench.demo", "main", "the main job: this router against the vLLM Router, side by side", "cli"
+    ),
     "up": Subcommand(
         "misat_cli.up", "main", "run a RolloutPool manifest locally (simulated or given engines)", "cli"
     ),
+    "status": Subcommand("misat_cli.status", "main", "a running router's /status, as tables", "cli"),
     "bench": Subcommand("misat_bench.main", "main", "side-by-side benchmark against the vLLM Router", "bench"),
     "operator": Subcommand("misat_operator.main", "main", "run the RolloutPool operator (kopf)", "operator"),
 }
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("misa-t")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
 
 
 def _resolve(name: str) -> Callable[[list[str]], int]:
@@ -58,9 +70,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="misat",
         description="MISA-T: mix-aware session admission for RL rollouts on vLLM engines.",
     )
+    parser.add_argument("--version", action="version", version=f"misat {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, cmd in SUBCOMMANDS.items():
         sub.add_parser(name, help=cmd.help, add_help=False)
+    if args[:1] == ["--version"]:
+        parser.parse_args(args[:1])  # prints the version and exits
     if not args or args[0] in ("-h", "--help") or args[0] not in SUBCOMMANDS:
         if args and args[0] not in ("-h", "--help"):
             parser.print_usage(sys.stderr)

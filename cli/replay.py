@@ -105,16 +105,21 @@ def replay(policy: PolicyName, seed: int, sessions: int, engines: int, capacity:
     return {"runner": runner, "outcomes": outcomes, "waits": waits, "end": next_epoch}
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="misat replay", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--policy", action="append", choices=[p.value for p in PolicyName],
                     help="policy to replay (repeatable; default: misa-t, misa, session-admission)")
-    ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--sessions", type=int, default=2000)
-    ap.add_argument("--engines", type=int, default=4)
-    ap.add_argument("--kv-tokens", type=int, default=150_000, help="KV capacity per engine (scaled tokens)")
-    args = ap.parse_args(argv)
+    ap.add_argument("--seed", type=int, default=1, help="seed of the synthetic sessions (default 1)")
+    ap.add_argument("--sessions", type=int, default=2000, help="sessions to replay (default 2000)")
+    ap.add_argument("--engines", type=int, default=4, help="engines the policy places on (default 4)")
+    ap.add_argument("--kv-tokens", type=int, default=150_000,
+                    help="KV capacity per engine, scaled tokens (default 150000)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     console = Console()
     policies = [PolicyName(p) for p in (args.policy or ["misa-t", "misa", "session-admission"])]
     console.print(f"[bold]Replaying {args.sessions} seeded sessions (seed {args.seed}) on {args.engines} "

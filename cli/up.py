@@ -57,17 +57,40 @@ async def report_keep_up(pool: LocalPool, console: Console, every_s: float = KEE
             console.print(f"[bold red]warning:[/] {line}" if warn else line, highlight=False)
 
 
+def admin_token_lines(router_url: str, token: str, token_file: Path | None) -> list[str]:
+    """How to reach the local router's admin API: the token (or the file holding it) and an example.
+
+    A local pool's token is printed by default: it guards a router on this
+    machine only, and without it pause/resume and config pushes cannot be tried.
+    With ``token_file`` the token is written there (owner-only) and only the path is printed.
+    """
+    if token_file is not None:
+        token_file.parent.mkdir(parents=True, exist_ok=True)
+        token_file.touch(mode=0o600, exist_ok=True)
+        token_file.chmod(0o600)
+        token_file.write_text(token + "\n")
+        header = f'"Authorization: Bearer $(cat {token_file})"'
+        first = f"Admin token written to {token_file} (mode 0600)."
+    else:
+        header = f'"Authorization: Bearer {token}"'
+        first = f"Admin token: {token}"
+    return [first, f"  e.g. curl -X POST -H {header} {router_url}/admin/pause   (then /admin/resume)"]
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="misat up", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-f", "--filename", type=Path, required=True, help="RolloutPool manifest (YAML)")
     ap.add_argument("--engine-url", action="append", help="a real engine's base URL (repeatable); "
                     "default: simulated engines, one per spec.engines.replicas")
-    ap.add_argument("--profile", default="qwen30b-a3b-h100", help="simulation profile of the engines")
+    ap.add_argument("--profile", default="qwen30b-a3b-h100",
+                    help="simulation profile of the engines (default qwen30b-a3b-h100)")
     ap.add_argument("--time-scale", type=float, default=10.0,
-                    help="simulated engines run this many times faster than the modelled GPU")
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=8080, help="router port (0: any free port)")
+                    help="simulated engines run this many times faster than the modelled GPU (default 10)")
+    ap.add_argument("--host", default="127.0.0.1", help="listen address of the router (default 127.0.0.1)")
+    ap.add_argument("--port", type=int, default=8080, help="router port; 0: any free port (default 8080)")
+    ap.add_argument("--admin-token-file", type=Path, default=None,
+                    help="write the router's admin token to this file (mode 0600) instead of printing it")
     ap.add_argument("--policy", choices=[p.value for p in PolicyName],
                     help="override spec.admission.policy (e.g. to compare with cache-aware)")
     return ap
@@ -84,6 +107,8 @@ async def serve(args: argparse.Namespace, console: Console) -> None:
         console.print(f"[bold green]RolloutPool {pool.name!r} is up[/]: router at [bold]{pool.router_url}[/] "
                       f"(OpenAI API under /v1, status at /status), policy {pool.config.policy.name.value}, "
                       f"{len(pool.engine_urls)} engine(s): {', '.join(pool.engine_urls)}")
+        for line in admin_token_lines(pool.router_url, pool.admin_token, args.admin_token_file):
+            console.print(line, highlight=False, soft_wrap=True)
         console.print(f"Watching {args.filename} for admission changes. Ctrl-C stops everything.")
         tasks = [asyncio.create_task(watch_manifest(pool, args.filename, console.print))]
         if pool.simulated:

@@ -3,12 +3,19 @@
 - ``PUT /admin/config``: a new RouterConfig (JSON or YAML body), applied
   atomically (``RouterState.reload``; the rules in ``reload.py``); 400 with the reason when invalid, 409 when stale.
 - ``GET /admin/config``: the applied config.
-- ``POST /admin/pause``: new work is held (``RouterState.pause``); requests in
-  flight continue. ``?reset_prefix_cache=true`` also resets every engine's
-  prefix cache (default: ``pause_resets_prefix_cache``).
-- ``POST /admin/resume``: held work is re-checked at once;
-  ``?reset_prefix_cache=true`` resets first (after a weight update, old KV
-  must not be reused).
+- ``POST /admin/pause?mode=wait|abort``: new work is held (``RouterState.pause``).
+  ``wait`` (default): requests in flight continue. ``abort``: they end now with
+  vLLM's abort answer (partial output, ``finish_reason: "abort"``), through
+  the engines' own ``/pause?mode=abort`` where they have it, else by the
+  router. ``?reset_prefix_cache=true`` also resets every engine's prefix cache
+  (default: ``pause_resets_prefix_cache``).
+- ``POST /admin/resume?weight_version=V``: resets prefix caches first if asked
+  (after a weight update, old KV must not be reused), records ``V`` for every
+  engine, resumes engines an abort paused, then re-checks held work at once.
+- ``POST /admin/engines/{sleep,wake_up,reset_prefix_cache}``: vLLM's control
+  call on every engine (query passed through), results per engine.
+- ``POST /admin/engines/call``: any control call (a framework's weight update)
+  passed to every engine; never a generation path (``/v1/...``).
 
 Auth: ``Authorization: Bearer <token>``, compared with ``hmac.compare_digest``;
 401 without a valid token, 403 for every admin call when the router runs
@@ -18,14 +25,20 @@ without a token. The token is never logged.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
+import json
 import logging
+from collections.abc import Mapping
+from typing import Any
 
 import aiohttp
 from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .errors import AdminDisabled, InvalidRequest, Unauthorized
-from .proxy import read_body
+from .config import RouterConfig
+from .errors import AdminDisabled, InvalidRequest, NotFound, Unauthorized
+from .proxy import GENERATION_PREFIX, read_body
 from .state import STATE, RouterState
 
 log = logging.getLogger(__name__)
@@ -92,33 +105,212 @@ async def handle_get_config(request: web.Request) -> web.Response:
     return web.json_response(body)
 
 
-async def _set_paused(request: web.Request, paused: bool, default_reset: bool) -> web.Response:
-    state = require_admin(request)
-    reset = _query_flag(request, "reset_prefix_cache", default_reset)
-    # Pause before the reset (nothing new lands on a cache being cleared); resume after it.
-    if paused:
-        state.pause()
-    reset_results = await reset_prefix_caches(state) if reset else None
-    if not paused:
-        state.resume()
-    log.info("router %s (prefix cache reset: %s)", "paused" if paused else "resumed", reset)
-    return web.json_response(
-        {
-            "paused": state.runner.paused,
-            "requests_in_flight": len(state.dispatcher.in_flight),
-            "held_requests": state.runner.held_count(),
-            "prefix_cache_reset": reset_results,
-        }
+PAUSE_MODES = ("wait", "abort")
+"""``/admin/pause?mode=``: ``wait`` lets in-flight requests finish; ``abort`` ends them now."""
+ENGINE_OPS = ("sleep", "wake_up", "reset_prefix_cache")
+"""vLLM control endpoints ``/admin/engines/{op}`` fans out to every engine (query passed through)."""
+ENGINE_PAUSE_PATH = "/pause"
+ENGINE_RESUME_PATH = "/resume"
+CALL_METHODS = ("GET", "POST", "PUT", "DELETE")
+
+
+def _control_timeout(cfg: RouterConfig) -> aiohttp.ClientTimeout:
+    # Engine control calls (a weight update, a wake-up) may take as long as a generation.
+    return aiohttp.ClientTimeout(
+        total=None, connect=cfg.upstream_connect_timeout_s, sock_read=cfg.upstream_timeout_s
     )
 
 
+def _quick_timeout(cfg: RouterConfig) -> aiohttp.ClientTimeout:
+    # A control call bounded like a scrape: a stalled engine must not hang pause/resume.
+    return aiohttp.ClientTimeout(total=cfg.scrape_timeout_s, connect=cfg.upstream_connect_timeout_s)
+
+
+async def call_engines(
+    state: RouterState,
+    engines: list[str],
+    method: str,
+    path: str,
+    *,
+    query: Mapping[str, str] | None = None,
+    body: object = None,
+    timeout: aiohttp.ClientTimeout,
+) -> dict[str, dict[str, object]]:
+    """One call to every engine at once; per engine ``{"status", "body"}`` (JSON, else text)
+    or ``{"error"}`` when it could not be reached or did not answer in time."""
+
+    async def one(engine: str) -> dict[str, object]:
+        try:
+            async with state.session().request(
+                method, engine + path, params=dict(query or {}), json=body, timeout=timeout
+            ) as r:
+                text = await r.text(errors="replace")
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            return {"error": f"{type(exc).__name__}: {exc}".rstrip(": ")}
+        try:
+            parsed: object = json.loads(text) if text else text
+        except (ValueError, RecursionError):
+            parsed = text
+        return {"status": r.status, "body": parsed}
+
+    results = await asyncio.gather(*(one(e) for e in engines))
+    return dict(zip(engines, results, strict=True))
+
+
+def _ok(result: Mapping[str, object]) -> bool:
+    status = result.get("status")
+    return isinstance(status, int) and 200 <= status < 300
+
+
+def _pause_body(state: RouterState, mode: str | None, aborted: int,
+                reset: dict[str, str] | None) -> dict[str, object]:
+    return {
+        "paused": state.runner.paused,
+        "mode": mode,
+        "requests_in_flight": len(state.dispatcher.in_flight),
+        "held_requests": state.runner.held_count(),
+        "aborted_requests": aborted,
+        "prefix_cache_reset": reset,
+    }
+
+
+async def _abort_in_flight(state: RouterState) -> int:
+    """``mode=abort``: every request in flight through the router ends now with vLLM's abort
+    answer. The engines abort their own (vLLM's ``POST /pause?mode=abort``: each request answers
+    with its partial output and ``finish_reason: "abort"``); what an engine cannot abort (no such
+    endpoint, or still unanswered after ``scrape_timeout_s``) the router aborts itself, with
+    empty output. Returns how many requests were aborted."""
+    cfg = state.config
+    dispatcher = state.dispatcher
+    live = {rid: f.meta for rid, f in dispatcher.in_flight.items()}
+    if not live:
+        return 0
+    engines = sorted({f.engine_id for f in dispatcher.in_flight.values()})
+    results = await call_engines(state, engines, "POST", ENGINE_PAUSE_PATH,
+                                 query={"mode": "abort", "clear_cache": "false"},
+                                 timeout=_quick_timeout(cfg))
+    paused = {e for e, r in results.items() if _ok(r)}
+    state.engines_paused |= paused
+    by_router = dispatcher.abort_in_flight(set(engines) - paused)
+    with contextlib.suppress(TimeoutError):
+        await state.wait_until(lambda: not any(r in dispatcher.in_flight for r in live), cfg.scrape_timeout_s)
+    by_router += dispatcher.abort_in_flight()
+    with contextlib.suppress(TimeoutError):
+        await state.wait_until(lambda: not any(r in dispatcher.in_flight for r in live), cfg.scrape_timeout_s)
+    router_ids = {m.request_id for m in by_router}
+    for rid, meta in live.items():
+        if rid not in router_ids:
+            state.metrics.aborted.labels(meta.workload_class, "engine").inc()
+    log.info("aborted %d in-flight requests (%d by the engines)", len(live), len(live) - len(router_ids))
+    return len(live)
+
+
 async def handle_pause(request: web.Request) -> web.Response:
-    state = request.app[STATE]
-    return await _set_paused(request, True, state.config.pause_resets_prefix_cache)
+    state = require_admin(request)
+    mode = request.query.get("mode", "wait")
+    if mode not in PAUSE_MODES:
+        raise InvalidRequest(f"mode must be one of {list(PAUSE_MODES)}, got {mode!r}", param="mode")
+    reset = _query_flag(request, "reset_prefix_cache", state.config.pause_resets_prefix_cache)
+    # Pause before the reset (nothing new lands on a cache being cleared), abort before it too
+    # (vLLM refuses to reset a cache whose blocks running requests hold).
+    state.pause(mode)
+    aborted = await _abort_in_flight(state) if mode == "abort" else 0
+    reset_results = await reset_prefix_caches(state) if reset else None
+    log.info("router paused (mode %s, prefix cache reset: %s)", mode, reset)
+    return web.json_response(_pause_body(state, mode, aborted, reset_results))
 
 
 async def handle_resume(request: web.Request) -> web.Response:
-    return await _set_paused(request, False, False)
+    state = require_admin(request)
+    reset = _query_flag(request, "reset_prefix_cache", False)
+    version = request.query.get("weight_version")
+    if version is not None and not version.strip():
+        raise InvalidRequest("weight_version must not be empty", param="weight_version")
+    mode = state.pause_mode
+    reset_results = await reset_prefix_caches(state) if reset else None
+    if version is not None:
+        state.record_weight_version(state.registry.ids(), version)
+    if state.engines_paused:
+        # The engines an abort paused through vLLM's /pause schedule again before held work goes.
+        resumed = await call_engines(state, sorted(state.engines_paused), "POST", ENGINE_RESUME_PATH,
+                                     timeout=_quick_timeout(state.config))
+        failed = {e: r for e, r in resumed.items() if not _ok(r)}
+        if failed:
+            log.warning("engines did not resume: %s", failed)
+    state.resume()
+    log.info("router resumed (prefix cache reset: %s, weight version: %s)", reset, version)
+    body = _pause_body(state, mode, 0, reset_results)
+    body["weight_version"] = version
+    return web.json_response(body)
+
+
+async def handle_engine_op(request: web.Request) -> web.Response:
+    state = require_admin(request)
+    op = request.match_info["op"]
+    if op not in ENGINE_OPS:
+        raise NotFound(f"unknown engine operation {op!r}; known: {list(ENGINE_OPS)} and 'call'",
+                       param="op", code="unknown_engine_op")
+    results = await call_engines(state, state.registry.ids(), "POST", "/" + op,
+                                 query=request.query, timeout=_control_timeout(state.config))
+    if op == "reset_prefix_cache" and any(_ok(r) for r in results.values()):
+        state.prefix_caches_reset()
+    log.info("engine op %s: %s", op, {e: r.get("status", r.get("error")) for e, r in results.items()})
+    return web.json_response({"op": op, "engines": results})
+
+
+class EngineCall(BaseModel):
+    """Body of ``POST /admin/engines/call``: one control call passed to every engine."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    method: str = "POST"
+    path: str
+    body: Any = None
+    query: dict[str, str | int | float | bool] = Field(default_factory=dict)
+    weight_version: str | None = None
+    """Recorded as the weight version of every engine answering 2xx."""
+
+
+def _parse_call(raw: bytes) -> EngineCall:
+    try:
+        obj = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise InvalidRequest(f"request body is not valid JSON: {str(exc)[:200]}") from None
+    if not isinstance(obj, dict):
+        raise InvalidRequest("request body must be a JSON object")
+    try:
+        call = EngineCall.model_validate(obj)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        loc = ".".join(str(p) for p in first.get("loc", ()))
+        raise InvalidRequest(f"{loc}: {first.get('msg')}", param=loc or None) from None
+    method = call.method.upper()
+    if method not in CALL_METHODS:
+        raise InvalidRequest(f"method must be one of {list(CALL_METHODS)}, got {call.method!r}", param="method")
+    path = call.path
+    if not path.startswith("/") or path.startswith("//"):
+        raise InvalidRequest(f"path must start with a single '/', got {path!r}", param="path")
+    if "?" in path or "#" in path:
+        raise InvalidRequest("path must not carry a query or fragment; give it in 'query'", param="path")
+    if path == GENERATION_PREFIX.rstrip("/") or path.startswith(GENERATION_PREFIX):
+        raise InvalidRequest(f"path {path!r} is a generation path; send generation to the router's own "
+                             "/v1 endpoints", param="path")
+    if call.weight_version is not None and not call.weight_version.strip():
+        raise InvalidRequest("weight_version must not be empty", param="weight_version")
+    return call.model_copy(update={"method": method})
+
+
+async def handle_engine_call(request: web.Request) -> web.Response:
+    state = require_admin(request)
+    call = _parse_call(await read_body(request, state.config.max_body_bytes))
+    query = {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in call.query.items()}
+    results = await call_engines(state, state.registry.ids(), call.method, call.path, query=query,
+                                 body=call.body, timeout=_control_timeout(state.config))
+    if call.weight_version is not None:
+        state.record_weight_version([e for e, r in results.items() if _ok(r)], call.weight_version)
+    log.info("engine call %s %s: %s", call.method, call.path,
+             {e: r.get("status", r.get("error")) for e, r in results.items()})
+    return web.json_response({"method": call.method, "path": call.path, "engines": results})
 
 
 def add_routes(app: web.Application) -> None:
@@ -126,3 +318,6 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/admin/config", handle_get_config)
     app.router.add_post("/admin/pause", handle_pause)
     app.router.add_post("/admin/resume", handle_resume)
+    # Fixed path first: aiohttp matches resources in the order they were added.
+    app.router.add_post("/admin/engines/call", handle_engine_call)
+    app.router.add_post("/admin/engines/{op}", handle_engine_op)

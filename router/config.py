@@ -52,6 +52,12 @@ class EnginesConfig(_Frozen):
         description="Seconds between DNS re-resolutions of `service` (project default: pods "
         "joining or leaving show up within a few seconds without hammering the resolver).",
     )
+    draining: tuple[str, ...] = Field(
+        (),
+        description="Engine ids (base URLs, as /status lists them) that take no new sessions: "
+        "continuations of their live sessions still go there, so those sessions finish where "
+        "their KV is. The operator sets it before a scale-down removes these engines.",
+    )
 
     @model_validator(mode="after")
     def _exactly_one(self) -> EnginesConfig:
@@ -65,7 +71,16 @@ class EnginesConfig(_Frozen):
                     raise ValueError(f"urls[{i}] {url!r} must start with http:// or https://")
             if len(set(self.urls)) != len(self.urls):
                 raise ValueError("'urls' must not repeat an engine")
+        for i, url in enumerate(self.draining):
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"draining[{i}] {url!r} must start with http:// or https://")
         return self
+
+    def draining_ids(self) -> frozenset[str]:
+        """The draining engines as engine ids (no trailing slash)."""
+        if not self.draining:  # the admission hot path asks on every request
+            return frozenset()
+        return frozenset(u.rstrip("/") for u in self.draining)
 
     def static_urls(self) -> tuple[str, ...] | None:
         """The URL list with trailing slashes removed (engine ids), or None for a Service."""

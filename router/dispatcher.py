@@ -39,6 +39,8 @@ class InFlight:
     meta: RequestMeta
     engine_id: str
     placed_at: float
+    abort: Callable[[], None] | None = None
+    """Set by the proxy while it forwards: ends the request with an abort answer to its client."""
 
 
 class Dispatcher:
@@ -81,7 +83,7 @@ class Dispatcher:
         if self.draining:
             raise ShuttingDown("router is shutting down")
         now = self._clock()
-        decision = self._runner.submit(meta, self._registry.snapshots(), now)
+        decision = self._runner.submit(meta, self._registry.snapshots(), now, self._draining())
         self._metrics.decision(meta.workload_class, decision)
         if decision.placed:
             assert decision.engine_id is not None
@@ -119,6 +121,10 @@ class Dispatcher:
         assert decision.engine_id is not None
         return decision.engine_id, held_s
 
+    def _draining(self) -> frozenset[str]:
+        """Engines the config marks draining: new sessions go elsewhere (runner.py)."""
+        return self._config().engines.draining_ids()
+
     def _give_up(self, meta: RequestMeta, held_since: float, outcome: str) -> None:
         self._waiters.pop(meta.request_id, None)
         now = self._clock()
@@ -152,6 +158,22 @@ class Dispatcher:
         self.kick()
         self._touch()
 
+    def on_abort(self, request_id: str, abort: Callable[[], None]) -> None:
+        """How to abort a placed request (``abort_in_flight``); the proxy registers it."""
+        entry = self.in_flight.get(request_id)
+        if entry is not None:
+            entry.abort = abort
+
+    def abort_in_flight(self, engines: set[str] | None = None) -> list[RequestMeta]:
+        """Abort the requests in flight (on ``engines`` only, when given); returns those aborted.
+        Each answers its client and calls ``finish`` itself."""
+        aborted = []
+        for entry in list(self.in_flight.values()):
+            if entry.abort is not None and (engines is None or entry.engine_id in engines):
+                entry.abort()
+                aborted.append(entry.meta)
+        return aborted
+
     def end_session(self, session_id: str) -> bool:
         now = self._clock()
         ended = self._runner.end_session(session_id, now)
@@ -170,11 +192,11 @@ class Dispatcher:
 
     def release(self) -> int:
         now = self._clock()
-        return self._resolve(self._runner.release(self._registry.snapshots(), now), now)
+        return self._resolve(self._runner.release(self._registry.snapshots(), now, self._draining()), now)
 
     def epoch(self) -> int:
         now = self._clock()
-        released = self._runner.epoch(self._registry.snapshots(), now)
+        released = self._runner.epoch(self._registry.snapshots(), now, self._draining())
         self._observe_units(now)
         return self._resolve(released, now)
 

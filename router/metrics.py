@@ -44,6 +44,8 @@ class Outcome:
     CLIENT_DISCONNECT = "client_disconnect"
     HOLD_DEADLINE = "hold_deadline"
     SHUTDOWN = "shutdown"
+    ABORTED = "aborted"
+    """Aborted by the router for ``/admin/pause?mode=abort`` (the engine could not abort it)."""
 
 
 class _StateCollector(Collector):
@@ -80,6 +82,13 @@ class _StateCollector(Collector):
             if r.cap is not None:
                 cap.add_metric([r.engine, r.workload_class], r.cap)
         yield from (budget, used, cap)
+
+        version = g("misat_engine_weight_version_info", "1 for the weight version recorded for the engine.",
+                    labels=["engine", "version"])
+        for e in s.engines:
+            if e.weight_version is not None:
+                version.add_metric([e.id, e.weight_version], 1.0)
+        yield version
 
         healthy = g("misat_engine_healthy", "1 when the engine is in rotation.", labels=["engine"])
         inflight = g("misat_engine_in_flight", "Router requests in flight.", labels=["engine"])
@@ -137,6 +146,16 @@ class RouterMetrics:
             "misat_tokens", "Tokens from usage (or estimates).", ["class", "kind"], registry=r
         )
         self.reloads = Counter("misat_config_reloads", "Config reloads.", ["source", "result"], registry=r)
+        self.aborted = Counter(
+            "misat_aborted_requests",
+            "In-flight requests aborted by /admin/pause?mode=abort, by who answered the client "
+            "(engine: vLLM's abort, partial output; router: the engine could not abort it).",
+            ["class", "by"], registry=r,
+        )
+        self.weight_version_changes = Counter(
+            "misat_weight_version_changes", "Changes of an engine's recorded weight version.",
+            ["engine"], registry=r,
+        )
         r.register(_StateCollector(snapshot))
 
     def decision(self, workload_class: str, decision: Decision) -> None:

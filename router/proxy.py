@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -46,6 +47,12 @@ from .state import STATE, RouterState
 
 ENGINE_HEADER = "X-Misat-Engine"
 """Response header naming the engine that served the request."""
+ABORT_HEADER = "X-Misat-Abort"
+"""On an answer the router itself aborted (``router``): output the engine had made was lost."""
+COMPLETIONS_PATH = "/v1/completions"
+CHAT_PATH = "/v1/chat/completions"
+GENERATION_PREFIX = "/v1/"
+"""Engine paths that generate: never reachable through the admin pass-through."""
 
 HOP_BY_HOP = frozenset(
     h.lower()
@@ -137,12 +144,15 @@ def usage_from_json(body: bytes, meta: RequestMeta, ok: bool) -> Completion:
 
 
 class SseUsageTracker:
-    """Watches an SSE byte stream for the last ``usage`` object and counts content events."""
+    """Watches an SSE byte stream for the last ``usage`` object and counts content events;
+    it also notes the stream's ``id`` and the choices that finished (an abort ends the others)."""
 
     def __init__(self) -> None:
         self._buf = b""
         self.events = 0
         self.usage: dict[str, object] | None = None
+        self.stream_id: str | None = None
+        self.finished: set[int] = set()
 
     def feed(self, chunk: bytes) -> None:
         self._buf += chunk
@@ -156,7 +166,10 @@ class SseUsageTracker:
                     continue
                 if b'"usage"' in payload:
                     self._take_usage(payload)
-                if b'"choices":[]' not in payload.replace(b" ", b""):
+                compact = payload.replace(b" ", b"")
+                if self.stream_id is None or b'"finish_reason":"' in compact:
+                    self._take_choices(payload)
+                if b'"choices":[]' not in compact:
                     self.events += 1
 
     def _take_usage(self, payload: bytes) -> None:
@@ -167,6 +180,20 @@ class SseUsageTracker:
         if isinstance(obj, dict) and isinstance(obj.get("usage"), dict):
             self.usage = obj["usage"]
 
+    def _take_choices(self, payload: bytes) -> None:
+        try:
+            obj = json.loads(payload)
+        except (ValueError, RecursionError):
+            return
+        if not isinstance(obj, dict):
+            return
+        if self.stream_id is None and isinstance(obj.get("id"), str):
+            self.stream_id = obj["id"]
+        choices = obj.get("choices")
+        for c in choices if isinstance(choices, list) else ():
+            if isinstance(c, dict) and c.get("finish_reason") is not None and _is_index(c.get("index")):
+                self.finished.add(c["index"])
+
     @property
     def mid_event(self) -> bool:
         """Whether the stream stopped inside an event (an error event must start afresh)."""
@@ -174,6 +201,10 @@ class SseUsageTracker:
 
     def completion(self, meta: RequestMeta, ok: bool) -> Completion:
         return _completion_from_usage(self.usage, meta, ok, self.events)
+
+
+def _is_index(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def sse_error_event(message: str) -> bytes:
@@ -197,8 +228,12 @@ class Forwarder:
     parsed: ParsedRequest
     path: str
     arrived: float
+    aborted: bool = False
+    """Set by ``abort``: the admin API aborted this request (``/admin/pause?mode=abort``)."""
+    _task: asyncio.Task[object] | None = None
 
     async def run(self) -> web.StreamResponse:
+        self._task = asyncio.current_task()
         s = self.state
         meta = self.parsed.meta
         deadline_at = self.arrived + s.config.hold_deadline_s
@@ -245,9 +280,98 @@ class Forwarder:
                     raise
         raise AssertionError("unreachable")
 
+    def abort(self) -> None:
+        """End the request now with vLLM's abort answer (``finish_reason: "abort"``): used when the
+        engine could not abort it itself. Cancels the forwarding task, whose handlers answer."""
+        if not self.aborted and self._task is not None:
+            self.aborted = True
+            self._task.cancel()
+
+    def _take_abort(self, engine: str, completion: Completion) -> bool:
+        """On a cancellation: True when it was ``abort`` alone (not also the client leaving), in
+        which case the request is finished here and the caller answers the client."""
+        if not self.aborted or self._task is None or self._task.uncancel() > 0:
+            return False
+        meta = self.parsed.meta
+        self.state.metrics.aborted.labels(meta.workload_class, "router").inc()
+        self.state.dispatcher.finish(meta, engine, completion, Outcome.ABORTED)
+        return True
+
+    def _abort_choices(self, skip: set[int], *, stream: bool) -> list[dict[str, object]]:
+        chat = self.path == CHAT_PATH
+        out: list[dict[str, object]] = []
+        for i in range(self.parsed.meta.samples):
+            if i in skip:
+                continue
+            c: dict[str, object] = {"index": i, "logprobs": None, "finish_reason": "abort", "stop_reason": None}
+            if chat:
+                c["delta" if stream else "message"] = {} if stream else {"role": "assistant", "content": ""}
+            else:
+                c["text"] = ""
+            out.append(c)
+        return out
+
+    def _abort_usage(self, completion_tokens: int) -> dict[str, int]:
+        prompt = self.parsed.meta.prompt_tokens
+        return {"prompt_tokens": prompt, "completion_tokens": completion_tokens,
+                "total_tokens": prompt + completion_tokens}
+
+    def _abort_answer(self, engine: str) -> web.Response:
+        """A JSON answer for a request aborted before the engine answered: no output reached the
+        router, so every choice is empty (``X-Misat-Abort: router`` says so)."""
+        chat = self.path == CHAT_PATH
+        body = {
+            "id": f"{'chatcmpl' if chat else 'cmpl'}-{self.parsed.meta.request_id}",
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": self._model(),
+            "choices": self._abort_choices(set(), stream=False),
+            "usage": self._abort_usage(0),
+        }
+        return web.json_response(body, headers={ENGINE_HEADER: engine, ABORT_HEADER: "router"})
+
+    def _model(self) -> str:
+        try:
+            obj = json.loads(self.parsed.body)
+        except (ValueError, RecursionError):
+            obj = None
+        model = obj.get("model") if isinstance(obj, dict) else None
+        return model if isinstance(model, str) else self.state.config.model
+
+    def _include_usage(self) -> bool:
+        try:
+            obj = json.loads(self.parsed.body)
+        except (ValueError, RecursionError):
+            return False
+        opts = obj.get("stream_options") if isinstance(obj, dict) else None
+        return isinstance(opts, dict) and bool(opts.get("include_usage"))
+
+    async def _write_abort_tail(self, resp: web.StreamResponse, tracker: SseUsageTracker) -> None:
+        """Close a relayed stream as vLLM closes an aborted one: a final chunk with
+        ``finish_reason: "abort"`` for every choice still open, the usage if asked, ``[DONE]``."""
+        chat = self.path == CHAT_PATH
+        chunk: dict[str, object] = {
+            "id": tracker.stream_id or f"{'chatcmpl' if chat else 'cmpl'}-{self.parsed.meta.request_id}",
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": self._model(),
+        }
+        events: list[dict[str, object]] = [{**chunk, "choices": self._abort_choices(tracker.finished, stream=True)}]
+        if self._include_usage():
+            events.append({**chunk, "choices": [], "usage": self._abort_usage(tracker.events)})
+        data = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"
+        if tracker.mid_event:
+            data = b"\n\n" + data
+        try:
+            await resp.write(data)
+            await resp.write_eof()
+        except ConnectionError:
+            pass
+
     async def _attempt(self, engine: str) -> web.StreamResponse:
         s = self.state
         meta = self.parsed.meta
+        s.dispatcher.on_abort(meta.request_id, self.abort)
         try:
             async with await self._open(engine) as upstream:
                 if upstream.content_type == "text/event-stream":
@@ -265,6 +389,8 @@ class Forwarder:
                 f"engine did not answer: {type(exc).__name__}", code="upstream_timeout"
             ) from exc
         except asyncio.CancelledError:
+            if self._take_abort(engine, _failed(meta)):
+                return self._abort_answer(engine)
             s.dispatcher.finish(meta, engine, _failed(meta), Outcome.CLIENT_DISCONNECT)
             raise
         except Exception:
@@ -318,6 +444,11 @@ class Forwarder:
         except ConnectionError:  # the client went away mid-stream
             outcome = Outcome.CLIENT_DISCONNECT
         except asyncio.CancelledError:
+            if self._take_abort(engine, tracker.completion(meta, ok=False)):
+                if not resp.prepared:
+                    await resp.prepare(self.request)
+                await self._write_abort_tail(resp, tracker)
+                return resp
             s.dispatcher.finish(meta, engine, tracker.completion(meta, ok=False),
                                 Outcome.CLIENT_DISCONNECT)
             raise
@@ -361,11 +492,11 @@ async def _generation(request: web.Request, kind: EndpointKind, path: str) -> we
 
 
 async def handle_completions(request: web.Request) -> web.StreamResponse:
-    return await _generation(request, EndpointKind.COMPLETIONS, "/v1/completions")
+    return await _generation(request, EndpointKind.COMPLETIONS, COMPLETIONS_PATH)
 
 
 async def handle_chat(request: web.Request) -> web.StreamResponse:
-    return await _generation(request, EndpointKind.CHAT, "/v1/chat/completions")
+    return await _generation(request, EndpointKind.CHAT, CHAT_PATH)
 
 
 _pass_cursor = itertools.count()

@@ -23,6 +23,10 @@ give exact ``prompt_tokens``; text (``prompt`` string or list of strings, or
 chat ``messages`` rendered as "role\\ncontent" lines) gives a text prefix for
 affinity without a round trip to an engine, and ``prompt_tokens`` estimated as
 characters / ``policy.prefix.chars_per_token``.
+
+Samples: ``n`` (>= 1) times the prompts of a batch is ``RequestMeta.samples``, the
+sequences the engine will run for this one request (vLLM fans it out into that many
+children on one engine); the request is placed once and counted that many times.
 """
 
 from __future__ import annotations
@@ -160,6 +164,8 @@ class _Prompt:
     token_ids: tuple[int, ...] | None
     text: str | None
     tokens: int
+    count: int = 1
+    """Prompts in the request (a batch has several)."""
 
 
 def _estimate(text: str, chars_per_token: float) -> int:
@@ -174,9 +180,9 @@ def _completion_prompt(prompt: object, chars_per_token: float) -> _Prompt:
         if _all_ints(prompt):
             return _Prompt(tuple(prompt), None, len(prompt))
         if all(isinstance(p, str) for p in prompt):
-            return _Prompt(None, prompt[0], sum(_estimate(p, chars_per_token) for p in prompt))
+            return _Prompt(None, prompt[0], sum(_estimate(p, chars_per_token) for p in prompt), len(prompt))
         if all(isinstance(p, list) and p and _all_ints(p) for p in prompt):
-            return _Prompt(tuple(prompt[0]), None, sum(len(p) for p in prompt))
+            return _Prompt(tuple(prompt[0]), None, sum(len(p) for p in prompt), len(prompt))
     raise InvalidRequest(
         "prompt must be a string, a non-empty list of token ids, or a list of either",
         param="prompt",
@@ -202,6 +208,9 @@ def _check_common(obj: dict[str, Any]) -> bool:
         v = obj.get(key)
         if v is not None and (not _is_int(v) or v < 1):
             raise InvalidRequest(f"{key} must be an integer >= 1, got {v!r}", param=key)
+    n = obj.get("n")
+    if n is not None and (not _is_int(n) or n < 1):
+        raise InvalidRequest(f"n must be an integer >= 1, got {n!r}", param="n")
     stream = obj.get("stream", False)
     if stream is None:
         stream = False
@@ -298,5 +307,6 @@ def parse_request(
         prompt_tokens=prompt.tokens,
         max_tokens=max_tokens,
         end_of_session=bool(end),
+        samples=prompt.count * int(obj.get("n") or 1),
     )
     return ParsedRequest(meta=meta, body=body, stream=stream)

@@ -79,6 +79,12 @@ class RouterState:
         """Set by a reload that changed ``engines``: the resolver re-reads the config at once."""
         self.upstream: aiohttp.ClientSession | None = None
         self.probe_session: aiohttp.ClientSession | None = None
+        self.pause_mode: str | None = None
+        """``wait`` or ``abort`` while paused (``/admin/pause?mode=``)."""
+        self.engines_paused: set[str] = set()
+        """Engines this router paused through vLLM's own ``/pause`` (resumed by ``resume``)."""
+        self.weight_versions: dict[str, str | None] = {}
+        """Weight version per engine as last recorded (``/admin/resume``, ``/admin/engines/call``)."""
         self._changed = asyncio.Event()
         urls = config.engines.static_urls()
         if urls is not None:
@@ -166,15 +172,27 @@ class RouterState:
 
     # ---- transitions: weight updates and shutdown -------------------------
 
-    def pause(self) -> None:
-        """Hold all new work (requests in flight continue)."""
+    def pause(self, mode: str = "wait") -> None:
+        """Hold all new work; ``mode`` says what happens to the requests in flight (the admin
+        API aborts them for ``abort``; they continue for ``wait``)."""
         self.runner.paused = True
+        self.pause_mode = mode
         self._admission_changed()
 
     def resume(self) -> None:
         """Admit again; held work is re-checked at once."""
         self.runner.paused = False
+        self.pause_mode = None
+        self.engines_paused.clear()
         self._admission_changed()
+
+    def record_weight_version(self, engines: list[str], version: str) -> None:
+        """The engines now serve weights ``version`` (shown in /status, counted on change)."""
+        for engine in engines:
+            if self.weight_versions.get(engine) != version:
+                self.weight_versions[engine] = version
+                self.metrics.weight_version_changes.labels(engine).inc()
+        self.touch()
 
     def prefix_caches_reset(self) -> None:
         """The engines' prefix caches were reset: the policy forgets what it thought they held."""
@@ -255,6 +273,8 @@ class RouterState:
             draining=self.dispatcher.draining,
             last_reload_error=self.last_reload_error,
             now=now,
+            weight_versions=self.weight_versions,
+            pause_mode=self.pause_mode,
         )
 
 

@@ -84,6 +84,12 @@ class EngineStatus(BaseModel):
     preemptions_total: float
     last_scrape_age_s: float | None
     last_error: str | None
+    draining: bool = Field(False, description="Takes no new sessions (config engines.draining).")
+    sessions: int = Field(0, description="Live sessions pinned to the engine.")
+    weight_version: str | None = Field(
+        None, description="Weight version recorded for the engine (/admin/resume?weight_version=, "
+        "/admin/engines/call with weight_version); null until known."
+    )
 
 
 class KvAllocation(BaseModel):
@@ -112,6 +118,7 @@ class RouterStatus(BaseModel):
     model: str
     policy: str
     paused: bool
+    pause_mode: str | None = Field(None, description="How the router was paused: wait or abort; null when running.")
     ready: bool
     draining: bool
     healthy_engines: int
@@ -176,6 +183,8 @@ def build_status(
     draining: bool,
     last_reload_error: str | None,
     now: float,
+    weight_versions: Mapping[str, str | None] | None = None,
+    pause_mode: str | None = None,
 ) -> RouterStatus:
     describe = runner.policy.describe()
     kv = kv_allocations(describe)
@@ -198,6 +207,8 @@ def build_status(
     ]
     engines = []
     hits = queries = 0.0
+    draining_ids = config.engines.draining_ids()
+    sessions_per_engine = runner.sessions_per_engine()
     for eid in registry.ids():
         st = registry.get(eid)
         assert st is not None
@@ -221,6 +232,9 @@ def build_status(
                 preemptions_total=m.preemptions_total if m else 0.0,
                 last_scrape_age_s=(now - st.scraped_at) if m else None,
                 last_error=st.last_error,
+                draining=eid in draining_ids,
+                sessions=sessions_per_engine.get(eid, 0),
+                weight_version=(weight_versions or {}).get(eid),
             )
         )
     healthy = registry.healthy_count()
@@ -230,6 +244,7 @@ def build_status(
         model=config.model,
         policy=config.policy.name.value,
         paused=runner.paused,
+        pause_mode=pause_mode if runner.paused else None,
         ready=healthy > 0 and not draining,
         draining=draining,
         healthy_engines=healthy,

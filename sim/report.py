@@ -41,6 +41,21 @@ def tv_distance_points(target: Mapping[ClassKey, float], consumed: Mapping[Class
     return 0.5 * diff * 100.0
 
 
+def mixture_constrained_rate(target: Mapping[ClassKey, float], completed: Mapping[ClassKey, float],
+                             minutes: float) -> float | None:
+    """Samples per minute a trainer filling batches at ``target`` gets: ``min_b completed_b / share_b``.
+
+    A policy that completes too many of a cheap class inside the window gains
+    nothing here: the batch waits for its scarcest class. ``target`` is any
+    positive scale (normalised); classes with a zero share are ignored. None
+    without a target or a positive window.
+    """
+    total = sum(v for v in target.values() if v > 0)
+    if total <= 0 or minutes <= 0:
+        return None
+    return min(completed.get(k, 0.0) / (v / total) for k, v in target.items() if v > 0) / minutes
+
+
 class Usage(BaseModel):
     """The token counts of one completed request (OpenAI ``usage``)."""
 

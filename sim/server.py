@@ -3,9 +3,15 @@
 Serves what the router and the benchmarks use from a real vLLM OpenAI server
 (docs/real-vllm.md), with vLLM's paths, body shapes and errors:
 ``/v1/completions``, ``/v1/chat/completions`` (streaming with
-``stream_options.include_usage``; ``return_token_ids``), ``/tokenize``,
-``/v1/models``, ``/health``, ``/load``, ``/version``, ``POST /reset_prefix_cache``
-and ``/metrics``; plus the simulator's own ``/misat/keep_up`` (JSON: whether the
+``stream_options.include_usage``; ``return_token_ids``; ``n`` > 1 as vLLM's
+parallel sampling, batched prompts, logprobs, ``return_tokens_as_token_ids``),
+``/tokenize``, ``/v1/models``, ``/health``, ``/load``, ``/version``,
+``POST /reset_prefix_cache`` and ``/metrics``; vLLM's engine control
+(``/pause``, ``/resume``, ``/is_paused``, ``/abort_requests``, ``/sleep``,
+``/wake_up``, ``/is_sleeping``, ``/collective_rpc``) with its abort answers
+(partial output, ``finish_reason: "abort"``), its weight endpoints
+(``/update_weights`` ..., ``GET /weight_info``: the weight version) and AReaL's
+``/areal_*`` ones; plus the simulator's own ``/misat/keep_up`` (JSON: whether the
 engine keeps pace with the wall clock, ``misat_sim.engine_loop``). Differences
 from vLLM are listed in docs/simulator.md (for instance
 ``usage.prompt_tokens_details.cached_tokens`` is always present, where vLLM
@@ -26,7 +32,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 from aiohttp import web
@@ -35,6 +41,7 @@ from pydantic import BaseModel, ValidationError
 from misat_sim.config import DEFAULT_TIME_SCALE, SimEngineConfig
 from misat_sim.engine import FinishedRequest, SimEngine
 from misat_sim.engine_loop import EngineLoop, RequestStream, TokenDelta
+from misat_sim.logprobs import LogprobModel, seed_for
 from misat_sim.metrics import EngineMetrics
 from misat_sim.openai_protocol import (
     ApiError,
@@ -42,9 +49,12 @@ from misat_sim.openai_protocol import (
     CompletionRequest,
     TokenizeRequest,
     check_lengths,
+    check_simulated,
     model_not_found,
+    requested_logprobs,
 )
 from misat_sim.profiles import PROFILES
+from misat_sim.request import FIRST_REGULAR_TOKEN_ID, FinishReason
 from misat_sim.tokenizer import WordTokenizer, render_chat
 
 SIM_VERSION: str = "0.32.0+misat-sim"
@@ -53,6 +63,32 @@ KEEP_UP_PATH: str = "/misat/keep_up"
 """The simulator's keep-up figures as JSON (not a vLLM endpoint)."""
 LISTEN_BACKLOG = 2048
 """Listen queue length: uvicorn's default, which vLLM's API server runs with."""
+
+
+PAUSE_MODES = frozenset({"abort", "wait", "keep"})
+"""vLLM's ``PauseMode`` values (``/pause?mode=``, ``/sleep?mode=``)."""
+WAKE_UP_TAGS = frozenset({"weights", "kv_cache"})
+"""vLLM's ``/wake_up?tags=`` values."""
+LOGPROB_FLOOR: float = -9999.0
+"""vLLM clamps reported logprobs here (``-inf`` is not JSON)."""
+
+
+@dataclass(eq=False)
+class _Child:
+    """One sample of one prompt: an engine request (a child of vLLM's parallel-sampling parent)."""
+
+    index: int
+    """Choice index: prompt index x n + sample, vLLM's order."""
+    sample: int
+    parent_id: str
+    request_id: str
+    prompt_ids: list[int]
+    stream: RequestStream
+    logprobs: LogprobModel | None
+    emitted: int = 0
+    """Output tokens already rendered for the client."""
+    text_offset: int = 0
+    finished: FinishedRequest | None = None
 
 
 @dataclass
@@ -64,11 +100,40 @@ class ServerState:
     loop: EngineLoop
     tokenizer: WordTokenizer
     created: int
+    live: dict[str, _Child] = field(default_factory=dict)
+    """Children whose handler is still answering (the work a pause may abort)."""
+    running: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set while the engine schedules new work (cleared by a pause or a sleep)."""
+    idle: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set while nothing is live (what ``/pause?mode=wait`` waits for)."""
+    waiting: int = 0
+    """Requests accepted while paused or asleep, waiting to be scheduled."""
+    paused: bool = False
+    sleeping: bool = False
+    sleep_level: int | None = None
+    weight_version: str | None = None
+    """Reported by ``GET /weight_info`` (vLLM's): set by ``/update_weight_version``,
+    ``/finish_weight_update`` with a version, and AReaL's ``/areal_update_weights`` (its path)."""
+    weight_updates: int = 0
+    rpc_calls: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.running.set()
+        self.idle.set()
 
     @property
     def engine(self) -> SimEngine:
         """The engine model."""
         return self.loop.engine
+
+    def track(self, child: _Child) -> None:
+        self.live[child.request_id] = child
+        self.idle.clear()
+
+    def untrack(self, child: _Child) -> None:
+        self.live.pop(child.request_id, None)
+        if not self.live:
+            self.idle.set()
 
 
 STATE: web.AppKey[ServerState] = web.AppKey("sim_state", ServerState)
@@ -102,6 +167,28 @@ def create_app(config: SimEngineConfig) -> web.Application:
     app.router.add_get("/metrics", _metrics)
     app.router.add_get(KEEP_UP_PATH, _keep_up)
     app.router.add_post("/reset_prefix_cache", _reset_prefix_cache)
+    # vLLM's engine control (dev-mode routes there; always served here).
+    app.router.add_post("/pause", _pause)
+    app.router.add_post("/resume", _resume)
+    app.router.add_get("/is_paused", _is_paused)
+    app.router.add_post("/abort_requests", _abort_requests)
+    app.router.add_post("/sleep", _sleep)
+    app.router.add_post("/wake_up", _wake_up)
+    app.router.add_get("/is_sleeping", _is_sleeping)
+    app.router.add_post("/collective_rpc", _collective_rpc)
+    app.router.add_post("/init_weight_transfer_engine", _init_weight_transfer)
+    app.router.add_post("/start_weight_update", _start_weight_update)
+    app.router.add_post("/update_weights", _update_weights)
+    app.router.add_post("/finish_weight_update", _finish_weight_update)
+    app.router.add_post("/update_weight_version", _update_weight_version)
+    app.router.add_get("/weight_info", _weight_info)
+    # AReaL's vLLM server extension (areal/engine/vllm_ext/areal_vllm_server.py).
+    app.router.add_post("/areal_update_weights", _areal_update_weights)
+    app.router.add_post("/areal_update_weights_xccl", _areal_update_weights_xccl)
+    app.router.add_post("/areal_init_weights_update_group", _areal_ack)
+    app.router.add_post("/areal_set_update_weight_meta", _areal_ack)
+    app.router.add_post("/areal_pause_generation", _areal_pause)
+    app.router.add_post("/areal_continue_generation", _areal_continue)
     app.router.add_post("/tokenize", _tokenize)
     app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/v1/chat/completions", _chat_completions)
@@ -216,7 +303,20 @@ async def _tokenize(request: web.Request) -> web.Response:
 # --- generation ----------------------------------------------------------------------
 
 
-def _completion_prompt_ids(state: ServerState, prompt: Any) -> list[int]:
+@dataclass
+class _Spec:
+    """What one generation request asks for, validated."""
+
+    chat: bool
+    prompts: list[list[int]]
+    max_tokens: list[int]
+    n: int
+    logprobs: int | None
+    """Top logprobs per token (None: no logprobs)."""
+    as_token_ids: bool
+
+
+def _prompt_ids(state: ServerState, prompt: Any) -> list[int]:
     if isinstance(prompt, str):
         return state.tokenizer.encode(prompt)
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
@@ -225,46 +325,68 @@ def _completion_prompt_ids(state: ServerState, prompt: Any) -> list[int]:
         if bad is not None:
             raise ApiError(f"Token id {bad} is out of vocabulary", param="prompt")
         return list(prompt)
-    if isinstance(prompt, list) and len(prompt) == 1:
-        return _completion_prompt_ids(state, prompt[0])
-    if isinstance(prompt, list) and len(prompt) > 1:
-        raise ApiError("The simulator serves one prompt per request.", param="prompt")
     raise ApiError("The prompt cannot be empty.", param="prompt")
 
 
-def _usage(stream: RequestStream, f: FinishedRequest) -> dict[str, Any]:
-    n_out = f.num_output_tokens
+def _completion_prompts(state: ServerState, prompt: Any) -> list[list[int]]:
+    """One prompt (text or token ids) or a batch of them (a list of texts or of id lists)."""
+    if isinstance(prompt, list) and prompt and not all(isinstance(t, int) for t in prompt):
+        return [_prompt_ids(state, p) for p in prompt]
+    return [_prompt_ids(state, prompt)]
+
+
+def _usage(children: list[_Child], spec: _Spec) -> dict[str, Any]:
+    # vLLM counts each prompt once (not once per sample) and sums the samples' outputs.
+    n_prompt = sum(len(p) for p in spec.prompts)
+    n_out = sum(c.finished.num_output_tokens for c in children if c.finished is not None)
+    cached = sum(c.finished.num_cached_tokens for c in children if c.finished is not None and c.sample == 0)
     return {
-        "prompt_tokens": f.num_prompt_tokens,
-        "total_tokens": f.num_prompt_tokens + n_out,
+        "prompt_tokens": n_prompt,
+        "total_tokens": n_prompt + n_out,
         "completion_tokens": n_out,
-        "prompt_tokens_details": {"cached_tokens": f.num_cached_tokens},
+        "prompt_tokens_details": {"cached_tokens": cached},
     }
 
 
-def _submit(
-    state: ServerState, body: CompletionRequest | ChatCompletionRequest, ids: list[int], max_tokens: int
-) -> tuple[str, RequestStream]:
-    rid = f"{uuid.uuid4().hex}"
-    stream = state.loop.submit(
-        rid,
-        ids,
-        max_tokens,
-        ignore_eos=body.ignore_eos,
-        sample_seed=body.seed,
-        greedy=body.temperature == 0,
-        stream=body.stream,
-    )
-    return rid, stream
+def _submit_children(
+    state: ServerState, body: CompletionRequest | ChatCompletionRequest, spec: _Spec
+) -> tuple[str, list[_Child]]:
+    """vLLM's parallel sampling: each prompt's n samples are n engine requests (children), so the
+    later ones find the prompt in the prefix cache; a seeded parent gives child j seed + j."""
+    rid = uuid.uuid4().hex
+    greedy = body.temperature == 0
+    vocab = state.engine.limits.vocab_size
+    children: list[_Child] = []
+    for i, ids in enumerate(spec.prompts):
+        for j in range(spec.n):
+            seed = None if body.seed is None else body.seed + j
+            child_id = f"{j}_{rid}-{i}" if spec.n > 1 or len(spec.prompts) > 1 else rid
+            stream = state.loop.submit(
+                child_id, ids, spec.max_tokens[i], ignore_eos=body.ignore_eos, sample_seed=seed,
+                greedy=greedy, stream=body.stream,
+            )
+            model = None
+            if spec.logprobs is not None:
+                model = LogprobModel(seed_for(state.config.seed, ids, j if seed is None else seed), vocab,
+                                     greedy=greedy, top_k=body.top_k)
+            child = _Child(index=i * spec.n + j, sample=j, parent_id=rid, request_id=child_id,
+                           prompt_ids=ids, stream=stream, logprobs=model)
+            children.append(child)
+            state.track(child)
+    return rid, children
 
 
 async def _completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body: CompletionRequest = await _parse(request, CompletionRequest)
     _check_model(state, body.model)
-    ids = _completion_prompt_ids(state, body.prompt)
-    max_tokens = check_lengths(len(ids), body.max_tokens, state.engine.limits.max_model_len)
-    return await _generate(request, state, body, ids, max_tokens, chat=False)
+    _check_simulated(state, body)
+    prompts = _completion_prompts(state, body.prompt)
+    limit = state.engine.limits.max_model_len
+    max_tokens = [check_lengths(len(p), body.max_tokens, limit) for p in prompts]
+    spec = _Spec(chat=False, prompts=prompts, max_tokens=max_tokens,
+                 n=body.n, logprobs=requested_logprobs(body), as_token_ids=bool(body.return_tokens_as_token_ids))
+    return await _generate(request, state, body, spec)
 
 
 async def _chat_completions(request: web.Request) -> web.StreamResponse:
@@ -273,81 +395,156 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
     _check_model(state, body.model)
     if not body.messages:
         raise ApiError("messages must not be empty", param="messages")
+    _check_simulated(state, body)
     ids = state.tokenizer.encode(render_chat(body.messages))
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     max_tokens = check_lengths(len(ids), requested, state.engine.limits.max_model_len)
-    return await _generate(request, state, body, ids, max_tokens, chat=True)
+    spec = _Spec(chat=True, prompts=[ids], max_tokens=[max_tokens], n=body.n,
+                 logprobs=requested_logprobs(body), as_token_ids=bool(body.return_tokens_as_token_ids))
+    return await _generate(request, state, body, spec)
+
+
+def _check_simulated(state: ServerState, body: CompletionRequest | ChatCompletionRequest) -> None:
+    check_simulated(body, first_regular_id=FIRST_REGULAR_TOKEN_ID, eos_token_id=state.engine.limits.eos_token_id)
 
 
 async def _generate(
     request: web.Request,
     state: ServerState,
     body: CompletionRequest | ChatCompletionRequest,
-    ids: list[int],
-    max_tokens: int,
-    *,
-    chat: bool,
+    spec: _Spec,
 ) -> web.StreamResponse:
-    rid, stream = _submit(state, body, ids, max_tokens)
+    # A paused or sleeping vLLM engine accepts requests and schedules them on resume / wake-up.
+    if not state.running.is_set():
+        state.waiting += 1
+        try:
+            await state.running.wait()
+        finally:
+            state.waiting -= 1
+    rid, children = _submit_children(state, body, spec)
     try:
         if body.stream:
-            return await _stream_response(request, state, body, ids, stream, chat=chat)
-        return await _full_response(state, body, ids, stream, chat=chat)
+            return await _stream_response(request, state, body, spec, rid, children)
+        return await _full_response(state, body, spec, rid, children)
     finally:
-        if stream.finished is None:
-            # Client gone (handler cancelled or write failed): free the request's KV now.
-            state.loop.abort(rid)
+        for c in children:
+            state.untrack(c)
+            if c.stream.finished is None:
+                # Client gone (handler cancelled or write failed): free the request's KV now.
+                state.loop.abort(c.request_id)
+
+
+def _token_text(state: ServerState, token_id: int, first: bool, as_ids: bool) -> str:
+    """A token as vLLM's logprobs name it: ``token_id:<id>``, or its text (spaced as in ``text``)."""
+    if as_ids:
+        return f"token_id:{token_id}"
+    word = state.tokenizer.token_str(token_id)
+    return word if first or not word else " " + word
+
+
+def _logprobs_json(state: ServerState, spec: _Spec, child: _Child, token_ids: list[int]) -> dict[str, Any]:
+    """vLLM's logprobs object for ``token_ids``, the next tokens of ``child`` (advances it)."""
+    model = child.logprobs
+    assert model is not None and spec.logprobs is not None
+    k, as_ids = spec.logprobs, spec.as_token_ids
+    if spec.chat:
+        content = []
+        for t in token_ids:
+            pos = model.next(t)
+            first = child.emitted == 0
+            tok = _token_text(state, t, first, as_ids)
+            top = []
+            for tid, lp in pos.ranked(k)[:k]:
+                text = _token_text(state, tid, first, as_ids)
+                top.append({"token": text, "logprob": max(lp, LOGPROB_FLOOR), "bytes": list(text.encode())})
+            content.append({"token": tok, "logprob": max(pos.logprob, LOGPROB_FLOOR),
+                            "bytes": list(tok.encode()), "top_logprobs": top})
+            child.emitted += 1
+        return {"content": content}
+    tokens: list[str] = []
+    token_logprobs: list[float] = []
+    top_logprobs: list[dict[str, float]] = []
+    text_offset: list[int] = []
+    for t in token_ids:
+        pos = model.next(t)
+        first = child.emitted == 0
+        tok = _token_text(state, t, first, as_ids)
+        tokens.append(tok)
+        token_logprobs.append(max(pos.logprob, LOGPROB_FLOOR))
+        top_logprobs.append({_token_text(state, tid, first, as_ids): max(lp, LOGPROB_FLOOR)
+                             for tid, lp in pos.ranked(k)})
+        text_offset.append(child.text_offset)
+        child.text_offset += len(tok)
+        child.emitted += 1
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+            "text_offset": text_offset}
 
 
 async def _full_response(
     state: ServerState,
     body: CompletionRequest | ChatCompletionRequest,
-    ids: list[int],
-    stream: RequestStream,
-    *,
-    chat: bool,
+    spec: _Spec,
+    rid: str,
+    children: list[_Child],
 ) -> web.Response:
-    while True:
-        item = await stream.queue.get()
-        if isinstance(item, FinishedRequest):
-            break
-    f = item
-    text = state.tokenizer.decode(f.output_token_ids)
-    choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": f.finish_reason.value}
-    choice["stop_reason"] = None
-    if chat:
-        choice["message"] = {"role": "assistant", "content": text, "tool_calls": []}
-    else:
-        choice["text"] = text
+    for c in children:
+        while True:
+            item = await c.stream.queue.get()
+            if isinstance(item, FinishedRequest):
+                c.finished = item
+                break
+    choices = []
+    for c in children:
+        f = c.finished
+        assert f is not None
+        text = state.tokenizer.decode(f.output_token_ids)
+        choice: dict[str, Any] = {"index": c.index, "logprobs": None, "finish_reason": f.finish_reason.value,
+                                  "stop_reason": None}
+        if c.logprobs is not None:
+            choice["logprobs"] = _logprobs_json(state, spec, c, f.output_token_ids)
+        if spec.chat:
+            choice["message"] = {"role": "assistant", "content": text, "tool_calls": []}
+        else:
+            choice["text"] = text
+        if body.return_token_ids:
+            choice["token_ids"] = list(f.output_token_ids)
+            if not spec.chat:
+                choice["prompt_token_ids"] = c.prompt_ids
+        choices.append(choice)
     out: dict[str, Any] = {
-        "id": f"{'chatcmpl' if chat else 'cmpl'}-{stream.request_id}",
-        "object": "chat.completion" if chat else "text_completion",
+        "id": f"{'chatcmpl' if spec.chat else 'cmpl'}-{rid}",
+        "object": "chat.completion" if spec.chat else "text_completion",
         "created": int(time.time()),
         "model": state.model_name,
-        "choices": [choice],
-        "usage": _usage(stream, f),
+        "choices": choices,
+        "usage": _usage(children, spec),
     }
-    if body.return_token_ids:
-        choice["token_ids"] = list(f.output_token_ids)
-        out["prompt_token_ids"] = ids
-        if not chat:
-            choice["prompt_token_ids"] = ids
+    if body.return_token_ids and len(spec.prompts) == 1:
+        out["prompt_token_ids"] = spec.prompts[0]
     return web.json_response(out)
+
+
+async def _pump(child: _Child, merged: asyncio.Queue[tuple[_Child, TokenDelta | FinishedRequest]]) -> None:
+    while True:
+        item = await child.stream.queue.get()
+        merged.put_nowait((child, item))
+        if isinstance(item, FinishedRequest):
+            return
 
 
 async def _stream_response(
     request: web.Request,
     state: ServerState,
     body: CompletionRequest | ChatCompletionRequest,
-    ids: list[int],
-    stream: RequestStream,
-    *,
-    chat: bool,
+    spec: _Spec,
+    rid: str,
+    children: list[_Child],
 ) -> web.StreamResponse:
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await resp.prepare(request)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    cid = f"{'chatcmpl' if chat else 'cmpl'}-{stream.request_id}"
+    chat = spec.chat
+    cid = f"{'chatcmpl' if chat else 'cmpl'}-{rid}"
     created = int(time.time())
     obj = "chat.completion.chunk" if chat else "text_completion"
 
@@ -359,44 +556,303 @@ async def _stream_response(
         chunk.update(extra)
         await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
 
-    first = True
-    if chat:
-        await send([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                     "finish_reason": None}])  # fmt: skip
-    with contextlib.suppress(ConnectionResetError):
-        while True:
-            item = await stream.queue.get()
-            if isinstance(item, TokenDelta):
-                text = state.tokenizer.decode_delta(item.token_ids, first)
-                choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": None}
-                if chat:
-                    choice["delta"] = {"content": text}
-                else:
-                    choice["text"] = text
-                extra: dict[str, Any] = {}
-                if body.return_token_ids:
-                    choice["token_ids"] = item.token_ids
-                    if first:
-                        extra["prompt_token_ids"] = ids
-                        if not chat:
-                            choice["prompt_token_ids"] = ids
-                first = False
-                await send([choice], **extra)
-                continue
-            f = item
-            last: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": f.finish_reason.value}
-            last["stop_reason"] = None
+    merged: asyncio.Queue[tuple[_Child, TokenDelta | FinishedRequest]] = asyncio.Queue()
+    pumps = [asyncio.create_task(_pump(c, merged)) for c in children]
+    try:
+        with contextlib.suppress(ConnectionResetError):
             if chat:
-                last["delta"] = {}
-            else:
-                last["text"] = ""
-            await send([last])
+                for c in children:
+                    await send([{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                 "logprobs": None, "finish_reason": None}])
+            remaining = len(children)
+            while remaining:
+                c, item = await merged.get()
+                if isinstance(item, TokenDelta):
+                    first = c.emitted == 0
+                    text = state.tokenizer.decode_delta(item.token_ids, first)
+                    choice: dict[str, Any] = {"index": c.index, "logprobs": None, "finish_reason": None}
+                    if chat:
+                        choice["delta"] = {"content": text}
+                    else:
+                        choice["text"] = text
+                    extra: dict[str, Any] = {}
+                    if body.return_token_ids:
+                        choice["token_ids"] = item.token_ids
+                        if first:
+                            extra["prompt_token_ids"] = c.prompt_ids
+                            if not chat:
+                                choice["prompt_token_ids"] = c.prompt_ids
+                    if c.logprobs is not None:
+                        choice["logprobs"] = _logprobs_json(state, spec, c, item.token_ids)
+                    else:
+                        c.emitted += len(item.token_ids)
+                    await send([choice], **extra)
+                    continue
+                c.finished = item
+                remaining -= 1
+                last: dict[str, Any] = {"index": c.index, "logprobs": None,
+                                        "finish_reason": item.finish_reason.value, "stop_reason": None}
+                if chat:
+                    last["delta"] = {}
+                else:
+                    last["text"] = ""
+                await send([last])
             if include_usage:
-                await send([], usage=_usage(stream, f))
+                await send([], usage=_usage(children, spec))
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
-            break
+    finally:
+        for p in pumps:
+            p.cancel()
     return resp
+
+
+# --- engine control: pause, sleep, abort, weights ------------------------------------------
+
+
+def _abort_child(state: ServerState, child: _Child) -> bool:
+    """Abort one child as vLLM's pause/abort does: it answers with what it generated so far and
+    ``finish_reason: "abort"`` (a stream gets its undelivered tokens, then the finish)."""
+    rs = child.stream
+    if rs.finished is not None or child.request_id not in state.loop.streams:
+        return False  # finished (perhaps not yet read by its handler): nothing to abort
+    req = state.engine.get_request(child.request_id)
+    out = list(req.materialize_outputs()) if req is not None else []
+    state.loop.abort(child.request_id)
+    now = state.loop.now()
+    f = FinishedRequest(
+        request_id=child.request_id,
+        finish_reason=FinishReason.ABORT,
+        num_prompt_tokens=len(child.prompt_ids),
+        num_cached_tokens=max(0, req.num_cached_tokens) if req is not None else 0,
+        output_token_ids=out,
+        arrival_time=req.arrival_time if req is not None else now,
+        first_scheduled_time=req.first_scheduled_time if req is not None else None,
+        first_token_time=req.first_token_time if req is not None else None,
+        finish_time=now,
+        num_preemptions=req.num_preemptions if req is not None else 0,
+    )
+    if rs.streaming and len(out) > rs.sent:
+        rs.queue.put_nowait(TokenDelta(out[rs.sent :]))
+        rs.sent = len(out)
+    rs.finished = f
+    rs.queue.put_nowait(f)
+    return True
+
+
+def _abort(state: ServerState, parent_ids: set[str] | None = None) -> int:
+    """Abort the live children (of ``parent_ids`` only, when given); how many were aborted."""
+    return sum(
+        _abort_child(state, c)
+        for c in list(state.live.values())
+        if parent_ids is None or c.parent_id in parent_ids
+    )
+
+
+def _query_bool(request: web.Request, name: str, default: bool) -> bool:
+    raw = request.query.get(name)
+    if raw is None:
+        return default
+    if raw.lower() in ("true", "1", "yes"):
+        return True
+    if raw.lower() in ("false", "0", "no"):
+        return False
+    raise ApiError(f"{name} must be true or false, got {raw!r}", param=name)
+
+
+async def _pause_engine(state: ServerState, mode: str, clear_cache: bool) -> int:
+    """vLLM's ``pause_generation``: new work waits; in flight is aborted (``abort``) or awaited
+    (``wait``); then the prefix cache is cleared if asked. Returns the aborted children."""
+    if mode not in PAUSE_MODES:
+        raise ApiError(f"mode must be one of {sorted(PAUSE_MODES)}, got {mode!r}", param="mode")
+    if mode == "keep":
+        # Freezing running requests mid-decode needs the engine model's help (not simulated).
+        raise ApiError("mode 'keep' is not simulated; use 'abort' or 'wait'", param="mode")
+    state.paused = True
+    state.running.clear()
+    aborted = 0
+    if mode == "abort":
+        aborted = _abort(state)
+    else:
+        await state.idle.wait()
+    if clear_cache:
+        state.engine.reset_prefix_cache()
+    return aborted
+
+
+def _resume_engine(state: ServerState) -> None:
+    state.paused = False
+    if not state.sleeping:
+        state.running.set()
+
+
+async def _pause(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    mode = request.query.get("mode", "abort")
+    if _query_bool(request, "wait_for_inflight_requests", False):
+        mode = "wait"  # vLLM's deprecated spelling of mode=wait
+    await _pause_engine(state, mode, _query_bool(request, "clear_cache", True))
+    return web.json_response({"status": "paused"})
+
+
+async def _resume(request: web.Request) -> web.Response:
+    _resume_engine(request.app[STATE])
+    return web.json_response({"status": "resumed"})
+
+
+async def _is_paused(request: web.Request) -> web.Response:
+    return web.json_response({"is_paused": request.app[STATE].paused})
+
+
+async def _abort_requests(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    raw = await _json_object(request)
+    ids = raw.get("request_ids")
+    if ids is not None and not (isinstance(ids, list) and all(isinstance(i, str) for i in ids)):
+        raise ApiError("request_ids must be a list of strings", param="request_ids")
+    # The ids clients see are the response ids (``cmpl-<id>``, ``chatcmpl-<id>``).
+    parents = {i.split("-", 1)[1] if i.startswith(("cmpl-", "chatcmpl-")) else i for i in ids} if ids else None
+    return web.json_response({"status": "aborted", "aborted": _abort(state, parents)})
+
+
+async def _sleep(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    raw_level = request.query.get("level", "1")
+    if raw_level not in ("0", "1", "2"):
+        raise ApiError(f"level must be 0, 1 or 2, got {raw_level!r}", param="level")
+    level = int(raw_level)
+    # vLLM's sleep pauses the scheduler first (mode as for /pause); level >= 1 discards the KV cache.
+    await _pause_engine(state, request.query.get("mode", "abort"), clear_cache=level >= 1)
+    state.sleeping = True
+    state.sleep_level = level
+    return web.Response(status=200)
+
+
+async def _wake_up(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    tags = request.query.getall("tags", [])
+    unknown = sorted(set(tags) - WAKE_UP_TAGS)
+    if unknown:
+        raise ApiError(f"unknown wake-up tags {unknown}; known: {sorted(WAKE_UP_TAGS)}", param="tags")
+    # Waking only the weights leaves the KV cache asleep: the engine cannot schedule yet.
+    if not tags or "kv_cache" in tags:
+        state.sleeping = False
+        state.sleep_level = None
+        _resume_engine(state)
+    return web.Response(status=200)
+
+
+async def _is_sleeping(request: web.Request) -> web.Response:
+    return web.json_response({"is_sleeping": request.app[STATE].sleeping})
+
+
+async def _json_object(request: web.Request) -> dict[str, Any]:
+    if not request.can_read_body:
+        return {}
+    try:
+        raw = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ApiError(f"Invalid JSON body: {e}") from None
+    if not isinstance(raw, dict):
+        raise ApiError("The request body must be a JSON object.")
+    return raw
+
+
+async def _collective_rpc(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    raw = await _json_object(request)
+    method = raw.get("method")
+    if not isinstance(method, str) or not method:
+        raise ApiError("Missing 'method' in request body", param="method")
+    state.rpc_calls.append(method)
+    # One simulated worker, which has nothing to return.
+    return web.json_response({"results": [None]})
+
+
+def _set_version(state: ServerState, version: object, param: str) -> None:
+    if not isinstance(version, str) or not version:
+        raise ApiError(f"{param} must be a non-empty string", param=param)
+    state.weight_version = version
+
+
+async def _init_weight_transfer(request: web.Request) -> web.Response:
+    raw = await _json_object(request)
+    if raw.get("init_info") is None:
+        raise ApiError("Missing 'init_info' in request body", param="init_info")
+    return web.json_response({"message": "Weight transfer initialized"})
+
+
+async def _start_weight_update(request: web.Request) -> web.Response:
+    return web.json_response({"message": "Weight update started"})
+
+
+async def _update_weights(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    raw = await _json_object(request)
+    if raw.get("update_info") is None:
+        raise ApiError("Missing 'update_info' in request body", param="update_info")
+    state.weight_updates += 1
+    return web.json_response({"message": "Weights updated"})
+
+
+async def _finish_weight_update(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    raw = await _json_object(request)
+    if raw.get("weight_version") is not None:
+        _set_version(state, raw["weight_version"], "weight_version")
+    return web.json_response({"message": "Weight update finished"})
+
+
+async def _update_weight_version(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    raw = await _json_object(request)
+    _set_version(state, raw.get("new_version"), "new_version")
+    return web.json_response({"success": True, "new_version": state.weight_version})
+
+
+async def _weight_info(request: web.Request) -> web.Response:
+    return web.json_response({"weight_version": request.app[STATE].weight_version})
+
+
+def _areal_ok(message: str) -> web.Response:
+    return web.json_response({"success": True, "message": message})
+
+
+async def _areal_update_weights(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    raw = await _json_object(request)
+    path = raw.get("model_path")
+    if not isinstance(path, str) or not path:
+        raise ApiError("model_path must be a non-empty string", param="model_path")
+    # AReaL's server aborts in-flight work and clears caches around a disk update, then resumes.
+    await _pause_engine(state, "abort", clear_cache=True)
+    state.weight_updates += 1
+    state.weight_version = path
+    _resume_engine(state)
+    return _areal_ok("TP rank: 0 success\n")
+
+
+async def _areal_update_weights_xccl(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    await _pause_engine(state, "abort", clear_cache=True)
+    state.weight_updates += 1
+    _resume_engine(state)
+    return _areal_ok("TP rank: 0 success\n")
+
+
+async def _areal_ack(request: web.Request) -> web.Response:
+    await _json_object(request)
+    return _areal_ok("TP rank: 0 success\n")
+
+
+async def _areal_pause(request: web.Request) -> web.Response:
+    await _pause_engine(request.app[STATE], "abort", clear_cache=True)
+    return _areal_ok("Generation paused and all requests aborted")
+
+
+async def _areal_continue(request: web.Request) -> web.Response:
+    _resume_engine(request.app[STATE])
+    return _areal_ok("Generation continued")
 
 
 # --- running servers -------------------------------------------------------------------
@@ -434,21 +890,28 @@ async def start_server(config: SimEngineConfig, host: str = "127.0.0.1", port: i
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``sim-engine`` command line (vLLM's flag names where they exist)."""
-    p = argparse.ArgumentParser(prog="misat sim-engine", description="Simulated vLLM engine server.")
-    p.add_argument("--profile", default="qwen30b-a3b-h100", choices=sorted(PROFILES))
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--served-model-name", default=None)
-    p.add_argument("--time-scale", type=float, default=DEFAULT_TIME_SCALE)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--num-gpu-blocks", type=int, default=None)
-    p.add_argument("--block-size", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=None)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--length-scale", type=float, default=None)
-    p.add_argument("--engine-index", type=int, default=0)
-    p.add_argument("--no-prefix-caching", action="store_true")
+    p = argparse.ArgumentParser(prog="misat sim-engine", description="Simulated vLLM engine server.",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--profile", default="qwen30b-a3b-h100", choices=sorted(PROFILES),
+                   help="engine profile: model, GPU and step-time constants (misat_sim.profiles)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on")
+    p.add_argument("--served-model-name", default=None, help="model name served (default: the profile's)")
+    p.add_argument("--time-scale", type=float, default=DEFAULT_TIME_SCALE,
+                   help="modelled seconds per wall second")
+    p.add_argument("--seed", type=int, default=0, help="seed of generated tokens and logprobs")
+    p.add_argument("--num-gpu-blocks", type=int, default=None, help="KV blocks (default: the profile's)")
+    p.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default: the profile's)")
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="most running requests (default: the profile's)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget of one step (default: the profile's)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="context limit in tokens (default: the profile's)")
+    p.add_argument("--length-scale", type=float, default=None,
+                   help="factor on KV capacity and max_model_len (default: the profile's)")
+    p.add_argument("--engine-index", type=int, default=0, help="the engine label of its metrics")
+    p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     return p
 
 

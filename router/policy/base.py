@@ -30,7 +30,10 @@ def healthy_ids(engines: Engines) -> list[str]:
 
 
 class LoadBook:
-    """Requests the router has in flight per engine (its own count, as the vLLM Router keeps)."""
+    """Sequences the router has in flight per engine (its own count, as the vLLM Router keeps).
+
+    A request with ``samples`` > 1 (``n``, a batch) counts that many: the engine reports each
+    of its sequences in ``num_requests_running``, and the two counts are compared."""
 
     __slots__ = ("_in_flight", "_total")
 
@@ -38,16 +41,17 @@ class LoadBook:
         self._in_flight: dict[str, int] = {}
         self._total = 0
 
-    def add(self, engine_id: str) -> None:
-        self._in_flight[engine_id] = self._in_flight.get(engine_id, 0) + 1
-        self._total += 1
+    def add(self, engine_id: str, count: int = 1) -> None:
+        self._in_flight[engine_id] = self._in_flight.get(engine_id, 0) + count
+        self._total += count
 
-    def remove(self, engine_id: str) -> None:
+    def remove(self, engine_id: str, count: int = 1) -> None:
         n = self._in_flight.get(engine_id, 0)
         if n <= 0:
             return
-        self._in_flight[engine_id] = n - 1
-        self._total -= 1
+        count = min(count, n)
+        self._in_flight[engine_id] = n - count
+        self._total -= count
 
     def drop_engine(self, engine_id: str) -> None:
         self._total -= self._in_flight.pop(engine_id, 0)
@@ -82,12 +86,12 @@ class Policy(ABC):
         """Place ``req`` on an engine or hold it. Must not change any state."""
 
     def on_placed(self, req: RequestMeta, engine_id: str, now: float) -> None:
-        self.load.add(engine_id)
+        self.load.add(engine_id, req.samples)
 
     def on_finished(
         self, req: RequestMeta, engine_id: str, completion: Completion, now: float
     ) -> None:
-        self.load.remove(engine_id)
+        self.load.remove(engine_id, req.samples)
 
     def on_hold(self, req: RequestMeta, now: float) -> None:  # noqa: B027
         """``req`` entered the HOLD ledger (it counts as demand of its class)."""

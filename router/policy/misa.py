@@ -59,6 +59,9 @@ class LiveSession:
     known_tokens: int = 0
     """Largest size seen so far: the peak, or a placed prompt (a lower bound while it runs)."""
     failed: bool = False
+    samples: int = 1
+    """Sequences the session runs at once (the most of any of its requests, ``RequestMeta.samples``):
+    it takes that many places in the session counts, and its footprint is shared among them."""
 
 
 class MisaPolicy(Policy):
@@ -121,15 +124,16 @@ class MisaPolicy(Policy):
         known = [v for e in self.residency.values() if (v := e.value()) is not None]
         return max(sum(known) / len(known), 1e-6) if known else 1.0
 
-    def _demand(self, extra_class: str | None) -> dict[str, float]:
-        """Unfinished sessions per class (live + held), plus the request being decided."""
+    def _demand(self, extra_class: str | None, extra: int = 1) -> dict[str, float]:
+        """Unfinished sessions per class (live + held), plus the request being decided (``extra``
+        places: its samples)."""
         demand: dict[str, float] = {c.name: 0.0 for c in self.mix.classes}
         for b, n in self.class_sessions.items():
             demand[b] = demand.get(b, 0.0) + n
         for b, n in self.held_per_class.items():
             demand[b] = demand.get(b, 0.0) + n
         if extra_class is not None:
-            demand[extra_class] = demand.get(extra_class, 0.0) + 1
+            demand[extra_class] = demand.get(extra_class, 0.0) + extra
         return demand
 
     def reference_footprint(self, demand: dict[str, float]) -> float:
@@ -271,7 +275,8 @@ class MisaPolicy(Policy):
             return Decision.place(engine, Reason.CONTINUATION_MOVED, {"cost": cost, "hit_tokens": hit})
 
         cls = req.workload_class
-        demand = self._demand(None if req.request_id in self.held_ids else cls)
+        samples = req.samples
+        demand = self._demand(None if req.request_id in self.held_ids else cls, samples)
         k_ref = self.reference_footprint(demand)
         k_b = self.footprint_of(cls)
         reason = Reason.HOLD_SESSION_CAP
@@ -307,7 +312,8 @@ class MisaPolicy(Policy):
                 cap = max(min_cap, int(cap * guard.factor))
             ours = engine_sessions.get(w, 0)
             occupied = ours if snap.num_running + snap.num_waiting <= 0 else self.occupancy(w, snap)
-            if occupied >= cap:
+            # A group larger than the cap still runs alone on an idle engine, or it never would.
+            if occupied and occupied + samples > cap:
                 continue
             if budgets_on and capacity > 0:
                 per = per_engine_class.get(w)
@@ -323,7 +329,7 @@ class MisaPolicy(Policy):
                     budget = capacity * budget_fraction * mine / total_r if total_r > 0 else 0.0
                 else:
                     budget = self.class_budgets(w, snap, weights, len(healthy))[cls]
-                if live_cls >= max(1, int(budget / k_b_floor)):
+                if live_cls and live_cls + samples > max(1, int(budget / k_b_floor)):
                     reason = Reason.HOLD_CLASS_CAP
                     continue
             return Decision.place(w, Reason.NEW_SESSION, {"cost": cost, "hit_tokens": hit})
@@ -340,37 +346,44 @@ class MisaPolicy(Policy):
     def on_hold(self, req: RequestMeta, now: float) -> None:
         if req.request_id not in self.held_ids:
             self.held_ids.add(req.request_id)
-            self.held_per_class[req.workload_class] = self.held_per_class.get(req.workload_class, 0) + 1
+            self.held_per_class[req.workload_class] = (
+                self.held_per_class.get(req.workload_class, 0) + req.samples
+            )
 
     def on_unhold(self, req: RequestMeta, now: float) -> None:
         if req.request_id in self.held_ids:
             self.held_ids.discard(req.request_id)
-            self.held_per_class[req.workload_class] -= 1
+            self.held_per_class[req.workload_class] -= req.samples
             if not self.held_per_class[req.workload_class]:
                 del self.held_per_class[req.workload_class]
 
     def on_placed(self, req: RequestMeta, engine_id: str, now: float) -> None:
         super().on_placed(req, engine_id, now)
-        self._events.setdefault(engine_id, deque()).append((now, 1))
+        self._events.setdefault(engine_id, deque()).append((now, req.samples))
         keys = self._key_memo.pop(req.request_id, None) or self._prompt_keys(req)
         self.index.insert(keys, engine_id)
         if req.session_id is not None and not req.end_of_session:
             self._remember_prompt(req.session_key, keys)
         live = self.sessions.get(req.session_key)
         if live is None:
-            live = self.sessions[req.session_key] = LiveSession(req.workload_class, engine_id, now)
-            self._count(engine_id, req.workload_class, 1)
+            live = self.sessions[req.session_key] = LiveSession(
+                req.workload_class, engine_id, now, samples=req.samples
+            )
+            self._count(engine_id, req.workload_class, req.samples)
+        elif req.samples > live.samples:
+            self._count(live.engine_id, live.workload_class, req.samples - live.samples)
+            live.samples = req.samples
         self._know(live, req.prompt_tokens)
         if live.engine_id != engine_id:
-            self._count(live.engine_id, live.workload_class, -1)
+            self._count(live.engine_id, live.workload_class, -live.samples)
             live.engine_id = engine_id
-            self._count(engine_id, live.workload_class, 1)
+            self._count(engine_id, live.workload_class, live.samples)
 
     def on_finished(
         self, req: RequestMeta, engine_id: str, completion: Completion, now: float
     ) -> None:
         super().on_finished(req, engine_id, completion, now)
-        self._events.setdefault(engine_id, deque()).append((now, -1))
+        self._events.setdefault(engine_id, deque()).append((now, -req.samples))
         live = self.sessions.get(req.session_key)
         if live is None:
             return
@@ -387,7 +400,7 @@ class MisaPolicy(Policy):
             live.known_tokens = tokens
 
     def _forget(self, live: LiveSession) -> None:
-        self._count(live.engine_id, live.workload_class, -1)
+        self._count(live.engine_id, live.workload_class, -live.samples)
         b = live.workload_class
         self.class_known_tokens[b] = self.class_known_tokens.get(b, 0) - live.known_tokens
 
@@ -401,6 +414,8 @@ class MisaPolicy(Policy):
             return
         fp = self.settings.footprint
         size = live.peak_tokens if fp.statistic == "peak" else live.peak_tokens / 2.0
+        # k_b is per sequence: a group's samples share its prompt and split its footprint.
+        size /= live.samples
         self.footprint.setdefault(
             live.workload_class, WindowPercentile(fp.window, fp.percentile, fp.min_samples)
         ).add(size)

@@ -26,8 +26,9 @@ class MixtureTracker:
         for k in self.target:
             self.completed.setdefault(k, 0)
 
-    def record(self, workload_class: str) -> None:
-        self.completed[workload_class] = self.completed.get(workload_class, 0) + 1
+    def record(self, workload_class: str, units: int = 1) -> None:
+        """``units`` completed units of the class (a group of n samples is n units)."""
+        self.completed[workload_class] = self.completed.get(workload_class, 0) + units
 
     @property
     def total(self) -> int:

@@ -9,7 +9,12 @@ three promises the policies rely on:
 - within a class, held work is released in arrival order, and a new request
   of a class that has older held work queues behind it;
 - continuations of a live session are decided at once (the policy admits
-  them), never queued behind new sessions.
+  them), never queued behind new sessions;
+- a draining engine (about to be removed by a scale-down) gets no new
+  session: a request is decided over the other engines, except a
+  continuation of a session that lives on a draining engine, which sees all
+  of them, so live sessions finish where their KV is (policies that keep
+  sessions on their engine place it there).
 
 Pure like the policies: no clock (``now`` is passed in), no I/O.
 """
@@ -17,7 +22,7 @@ Pure like the policies: no clock (``now`` is passed in), no I/O.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Set
 from dataclasses import dataclass
 
 from .base import Engines, Policy
@@ -43,6 +48,8 @@ class SessionRecord:
     last_activity: float
     in_flight: int = 0
     engine_id: str | None = None
+    samples: int = 1
+    """Rollout units the session completes: the most samples of any of its requests."""
 
 
 class PolicyRunner:
@@ -67,8 +74,13 @@ class PolicyRunner:
         it began before a router restart), which must not queue behind new sessions."""
         return req.session_id is not None and (req.session_key in self.sessions or req.turn > 0)
 
-    def submit(self, req: RequestMeta, engines: Engines, now: float) -> Decision:
-        """Decide a new request. A HOLD puts it in the ledger; a PLACE is applied at once."""
+    def submit(
+        self, req: RequestMeta, engines: Engines, now: float, draining: Set[str] = frozenset()
+    ) -> Decision:
+        """Decide a new request. A HOLD puts it in the ledger; a PLACE is applied at once.
+
+        ``draining``: engine ids that take continuations only (see the module docstring).
+        """
         if req.request_id in self._held:
             raise ValueError(f"request {req.request_id!r} is already held")
         continuation = self.is_continuation(req)
@@ -77,7 +89,7 @@ class PolicyRunner:
         elif not continuation and self._held_per_class.get(req.workload_class, 0):
             decision = Decision.hold(Reason.HOLD_QUEUED)
         else:
-            decision = self.policy.decide(req, engines, now)
+            decision = self.policy.decide(req, self._view(req, continuation, engines, draining), now)
         if decision.placed:
             assert decision.engine_id is not None
             self._apply_placement(req, decision.engine_id, now)
@@ -90,7 +102,9 @@ class PolicyRunner:
             self.policy.on_hold(req, now)
         return decision
 
-    def release(self, engines: Engines, now: float) -> list[tuple[RequestMeta, Decision]]:
+    def release(
+        self, engines: Engines, now: float, draining: Set[str] = frozenset()
+    ) -> list[tuple[RequestMeta, Decision]]:
         """Re-evaluate held work (once per epoch, or when room appears).
 
         Returns the requests placed now, in order; each is already applied.
@@ -102,6 +116,7 @@ class PolicyRunner:
         released: list[tuple[RequestMeta, Decision]] = []
         blocked: set[str] = set()
         classes_held = len(self._held_per_class)
+        for_new = _without(engines, draining)
         # Iterate the ledger itself (no copy: it can be long); entries placed in this
         # pass are unheld at once for the policy's books and popped after the loop.
         for entry in self._held.values():
@@ -110,7 +125,9 @@ class PolicyRunner:
                 if not self._held_continuations and len(blocked) >= classes_held:
                     break  # every class is blocked and nothing else can pass
                 continue
-            decision = self.policy.decide(req, engines, now)
+            decision = self.policy.decide(
+                req, engines if self._pinned_to(req, entry.continuation, draining) else for_new, now
+            )
             if not decision.placed:
                 entry.reason = decision.reason
                 blocked.add(req.workload_class)
@@ -153,7 +170,9 @@ class PolicyRunner:
     def on_metrics(self, engines: Engines, now: float) -> None:
         self.policy.on_metrics(engines, now)
 
-    def epoch(self, engines: Engines, now: float) -> list[tuple[RequestMeta, Decision]]:
+    def epoch(
+        self, engines: Engines, now: float, draining: Set[str] = frozenset()
+    ) -> list[tuple[RequestMeta, Decision]]:
         """Housekeeping, idle-session expiry, then release of held work."""
         idle_s = self.policy.settings.admission.session_idle_timeout_s
         for key, rec in list(self.sessions.items()):
@@ -161,7 +180,7 @@ class PolicyRunner:
                 self.sessions_ended_idle += 1
                 self._end(key, now, completed=True)
         self.policy.on_epoch(now)
-        return self.release(engines, now)
+        return self.release(engines, now, draining)
 
     def remove_engine(self, engine_id: str, now: float) -> None:
         """An engine left the pool: sessions pinned to it are forgotten by the policy."""
@@ -224,6 +243,14 @@ class PolicyRunner:
             return len(self._held)
         return self._held_per_class.get(workload_class, 0)
 
+    def sessions_per_engine(self) -> dict[str, int]:
+        """Live sessions pinned to each engine (what a draining engine still has to finish)."""
+        out: dict[str, int] = {}
+        for rec in self.sessions.values():
+            if rec.engine_id is not None:
+                out[rec.engine_id] = out.get(rec.engine_id, 0) + 1
+        return out
+
     def active_sessions(self) -> dict[str, int]:
         out: dict[str, int] = {}
         for rec in self.sessions.values():
@@ -231,6 +258,16 @@ class PolicyRunner:
         return out
 
     # ---- internals ------------------------------------------------------
+
+    def _pinned_to(self, req: RequestMeta, continuation: bool, draining: Set[str]) -> bool:
+        """A continuation of a session living on a draining engine (it may finish there)."""
+        if not continuation or not draining:
+            return False
+        rec = self.sessions.get(req.session_key)
+        return rec is not None and rec.engine_id in draining
+
+    def _view(self, req: RequestMeta, continuation: bool, engines: Engines, draining: Set[str]) -> Engines:
+        return engines if self._pinned_to(req, continuation, draining) else _without(engines, draining)
 
     def _apply_placement(self, req: RequestMeta, engine_id: str, now: float) -> None:
         rec = self.sessions.get(req.session_key)
@@ -242,6 +279,7 @@ class PolicyRunner:
         rec.in_flight += 1
         rec.last_activity = now
         rec.engine_id = engine_id
+        rec.samples = max(rec.samples, req.samples)
         self.policy.on_placed(req, engine_id, now)
 
     def _remove_held(self, request_id: str, now: float, *, notify: bool = True) -> HeldEntry | None:
@@ -262,4 +300,11 @@ class PolicyRunner:
             return
         self.policy.on_session_end(session_key, now)
         if completed:
-            self.mixture.record(rec.workload_class)
+            self.mixture.record(rec.workload_class, rec.samples)
+
+
+def _without(engines: Engines, draining: Set[str]) -> Engines:
+    """The engines a new session may go to (the mapping itself when nothing drains)."""
+    if not draining or draining.isdisjoint(engines):
+        return engines
+    return {e: snap for e, snap in engines.items() if e not in draining}

@@ -35,6 +35,10 @@ class RequestMeta:
     prompt_tokens: int = 0
     max_tokens: int | None = None
     end_of_session: bool = False
+    samples: int = 1
+    """Sequences the engine runs for this request: the OpenAI ``n`` times the prompts of a
+    batch. vLLM runs each as its own request (children sharing the prompt's cached blocks), so
+    load, occupancy and completed units count it this many times."""
 
     @property
     def session_key(self) -> str:

@@ -1,0 +1,140 @@
+"""``misat status [URL]``: a running router's ``/status``, as tables a person reads.
+
+Shares are percent, as in the RolloutPool manifest; KV figures from the
+policy's footprint estimates are labelled as estimates, and the engines'
+own measured KV use sits beside them. The rendering is pure (a dict in,
+rich renderables out) so it is tested on a live router's real ``/status``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import aiohttp
+from rich.console import Console, Group, RenderableType
+from rich.table import Table
+
+DEFAULT_URL = "http://127.0.0.1:8080"
+"""Where ``misat up`` serves its router by default."""
+TIMEOUT_S = 5.0
+
+
+def _pct(v: object, digits: int = 1) -> str:
+    return f"{100 * v:.{digits}f}%" if isinstance(v, int | float) and not isinstance(v, bool) else "-"
+
+
+def _tokens(v: object) -> str:
+    return f"{v:,.0f}" if isinstance(v, int | float) and not isinstance(v, bool) else "-"
+
+
+def _text(v: object) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    return str(v)
+
+
+def summary(status: Mapping[str, Any]) -> Table:
+    grid = Table.grid(padding=(0, 2))
+    engines = status.get("engines") or []
+    state = "paused" if status.get("paused") else ("ready" if status.get("ready") else "not ready")
+    if status.get("draining"):
+        state += ", draining"
+    grid.add_row("[bold]router[/]", f"policy [bold]{_text(status.get('policy'))}[/]",
+                 f"generation {_text(status.get('generation'))} (config {_text(status.get('config_hash'))})",
+                 f"model {_text(status.get('model'))}", state)
+    grid.add_row("", f"engines healthy {_text(status.get('healthy_engines'))}/{len(engines)}",
+                 f"requests in flight {_text(status.get('requests_in_flight'))}",
+                 f"held {_text(status.get('held_requests'))}",
+                 f"samples/min {status.get('sample_rate_per_min', 0):.1f}")
+    grid.add_row("", f"prefix hit {_pct(status.get('prefix_hit_rate'))}",
+                 f"mixture TV {status.get('mixture_tv_points', 0):.2f} pts",
+                 f"sessions ended idle {_text(status.get('sessions_ended_idle'))}", "")
+    if status.get("last_reload_error"):
+        grid.add_row("[bold red]last rejected config[/]", str(status["last_reload_error"]), "", "", "")
+    return grid
+
+
+def classes_table(status: Mapping[str, Any]) -> Table:
+    t = Table(title="workload classes")
+    for col in ("class", "target %", "consumed %", "completed units", "active sessions", "held requests",
+                "KV budget (est. tokens)", "KV in use (est. tokens)"):
+        t.add_column(col, justify="left" if col == "class" else "right")
+    for c in status.get("classes") or []:
+        t.add_row(_text(c.get("name")), _pct(c.get("target_share")), _pct(c.get("consumed_share")),
+                  _text(c.get("completed_units")), _text(c.get("active_sessions")), _text(c.get("held_requests")),
+                  _tokens(c.get("kv_budget_tokens")), _tokens(c.get("kv_used_tokens")))
+    return t
+
+
+def engines_table(status: Mapping[str, Any]) -> Table:
+    t = Table(title="engines (KV use and hits as the engines measure them)")
+    rows = status.get("engines") or []
+    extra = [k for k in ("weight_version",) if any(k in e for e in rows)]
+    for col in ("engine", "healthy", "draining", "sessions", "in flight", "running", "waiting", "KV in use",
+                "KV capacity (tokens)", "prefix hit", "preemptions", "last scrape", "last error", *extra):
+        t.add_column(col, justify="left" if col in ("engine", "last error") else "right")
+    for e in rows:
+        age = e.get("last_scrape_age_s")
+        t.add_row(_text(e.get("id")), _text(e.get("healthy")), _text(e.get("draining")), _text(e.get("sessions")),
+                  _text(e.get("in_flight")), _text(e.get("running")), _text(e.get("waiting")),
+                  _pct(e.get("kv_usage")), _tokens(e.get("kv_capacity_tokens")), _pct(e.get("prefix_hit_rate")),
+                  _tokens(e.get("preemptions_total")), "-" if age is None else f"{age:.1f} s ago",
+                  _text(e.get("last_error")), *(_text(e.get(k)) for k in extra))
+    return t
+
+
+def kv_table(status: Mapping[str, Any]) -> Table | None:
+    rows: Sequence[Mapping[str, Any]] = status.get("kv") or []
+    if not rows:
+        return None
+    t = Table(title="KV allocation per engine and class (policy estimates: footprint x sessions)")
+    for col in ("engine", "class", "sessions", "cap (sessions)", "budget (est. tokens)", "in use (est. tokens)"):
+        t.add_column(col, justify="left" if col in ("engine", "class") else "right")
+    for r in rows:
+        t.add_row(_text(r.get("engine")), _text(r.get("workload_class")), _text(r.get("sessions")),
+                  _text(r.get("cap")), _tokens(r.get("budget_tokens")), _tokens(r.get("used_tokens")))
+    return t
+
+
+def render_status(status: Mapping[str, Any]) -> RenderableType:
+    """Every table for one ``/status`` body."""
+    parts: list[RenderableType] = [summary(status), classes_table(status), engines_table(status)]
+    kv = kv_table(status)
+    if kv is not None:
+        parts.append(kv)
+    return Group(*parts)
+
+
+async def fetch_status(url: str) -> dict[str, Any]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=TIMEOUT_S)) as http, \
+            http.get(url.rstrip("/") + "/status") as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"{url}/status answered {resp.status}: {(await resp.text())[:300]}")
+        body: dict[str, Any] = await resp.json()
+        return body
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="misat status", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("url", nargs="?", default=DEFAULT_URL, help=f"the router's base URL (default {DEFAULT_URL})")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    import asyncio
+
+    args = build_parser().parse_args(argv)
+    console = Console()
+    try:
+        status = asyncio.run(fetch_status(args.url))
+    except (aiohttp.ClientError, TimeoutError, RuntimeError, ValueError) as exc:
+        print(f"misat status: cannot read {args.url}/status: {exc or type(exc).__name__}", file=sys.stderr)
+        return 1
+    console.print(render_status(status))
+    return 0

@@ -1,0 +1,10 @@
+"""Adapters from RL frameworks' inference calls to the router (``docs/integrations.md``).
+
+- ``areal``: AReaL's remote-vLLM backend, labelled, with its pause and weight-update calls
+  routed through the router's admin API;
+- ``verl``: verl's ``AsyncLLMServerManager.generate`` over HTTP, sticky by ``request_id``;
+- ``openai_agent``: a multi-turn agent loop on the official ``openai`` client.
+
+None imports its framework: each speaks the framework's request and response shapes (pinned
+in ``tests/client`` with the framework commit they were read from).
+"""

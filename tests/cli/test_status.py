@@ -1,0 +1,58 @@
+"""`misat status` renders a live router's `/status` as tables; `misat up` shows how to use the admin API."""
+
+from __future__ import annotations
+
+import stat
+from pathlib import Path
+
+import pytest
+import yaml
+from openai import AsyncOpenAI
+from rich.console import Console
+
+from misat_cli.localpool import local_pool
+from misat_cli.status import fetch_status, main, render_status
+from misat_cli.up import admin_token_lines
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "mixed-pool.yaml"
+
+
+def one_engine_manifest(tmp_path: Path) -> Path:
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    doc["spec"]["engines"]["replicas"] = 1
+    path = tmp_path / "pool.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+async def test_status_of_a_live_router_reads_in_the_manifests_units(tmp_path: Path) -> None:
+    async with local_pool(one_engine_manifest(tmp_path), time_scale=200.0) as pool:
+        client = AsyncOpenAI(base_url=f"{pool.router_url}/v1", api_key="unused",
+                             default_headers={"X-Rollout-Class": "rlhf"})
+        await client.completions.create(model=pool.spec.model.served, prompt=[5, 6, 7, 8], max_tokens=4)
+        await client.close()
+        status = await fetch_status(pool.router_url)
+    console = Console(width=250, record=True)
+    console.print(render_status(status))
+    text = console.export_text()
+    # Shares as percent, as the manifest writes them (48.6, not 0.486).
+    assert "48.6%" in text and "33.2%" in text and "18.2%" in text
+    assert "policy misa" in text and "engines healthy 1/1" in text
+    assert "KV budget (est. tokens)" in text and "KV in use" in text
+    assert pool.engine_urls[0] in text
+
+
+def test_status_of_an_unreachable_router_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["http://127.0.0.1:9"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("misat status: cannot read http://127.0.0.1:9/status") and "Traceback" not in err
+
+
+def test_admin_token_is_printed_or_written_owner_only(tmp_path: Path) -> None:
+    printed = admin_token_lines("http://127.0.0.1:8080", "s3cret", None)
+    assert printed[0] == "Admin token: s3cret" and "Bearer s3cret" in printed[1]
+    assert "http://127.0.0.1:8080/admin/pause" in printed[1]
+    path = tmp_path / "state" / "token"
+    lines = admin_token_lines("http://127.0.0.1:8080", "s3cret", path)
+    assert path.read_text() == "s3cret\n" and stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert "s3cret" not in " ".join(lines) and str(path) in lines[0]
