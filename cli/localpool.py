@@ -195,6 +195,8 @@ class LocalPool:
     policy_override: PolicyName | None = None
     simulated: bool = False
     """Engines are this pool's simulated ones (they serve keep-up figures)."""
+    warnings: list[str] = field(default_factory=list)
+    """What a person should know at start (e.g. a given engine URL that does not answer)."""
     client: RouterClient = field(default_factory=RouterClient)
 
     async def reload(self, manifest: Path) -> str:
@@ -269,6 +271,9 @@ async def local_pool(
             raise PoolError(f"simulation profile {profile!r}: {exc}") from None
         engines = await start_sim_engines(spec, profile=profile, time_scale=time_scale, host=host, log_dir=log_dir)
         engine_urls = [e.url for e in engines]
+        unreachable: list[str] = []
+    else:
+        unreachable = await unreachable_engines(engine_urls)
     runner: web.AppRunner | None = None
     try:
         config = render_local_config(name, spec, engine_urls, 1, policy=policy, length_scale=length_scale)
@@ -283,7 +288,7 @@ async def local_pool(
             raise PoolError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
         bound = runner.addresses[0][1]
         pool = LocalPool(name, spec, f"http://{host}:{bound}", token, engine_urls, config, length_scale, policy,
-                         simulated=bool(engines))
+                         simulated=bool(engines), warnings=unreachable)
         try:
             yield pool
         finally:
@@ -292,6 +297,21 @@ async def local_pool(
         if runner is not None:
             await runner.cleanup()
         stop_engines(engines)
+
+
+async def unreachable_engines(urls: list[str]) -> list[str]:
+    """One line per given engine whose ``/health`` does not answer 200 now (the router keeps probing it;
+    requests fail fast with the reason while no engine is healthy)."""
+    async def probe(http: aiohttp.ClientSession, url: str) -> str | None:
+        try:
+            async with http.get(f"{url}/health") as resp:
+                return None if resp.status == 200 else f"{url}: /health answered {resp.status}"
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            return f"{url}: unreachable ({type(exc).__name__}: {exc or 'timed out'})"
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=SIM_ENGINE_PROBE_TIMEOUT_S)) as http:
+        found = await asyncio.gather(*(probe(http, u) for u in urls))
+    return [line for line in found if line is not None]
 
 
 def file_digest(path: Path) -> str | None:

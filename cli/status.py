@@ -51,6 +51,11 @@ def summary(status: Mapping[str, Any]) -> Table:
                  f"requests in flight {_text(status.get('requests_in_flight'))}",
                  f"held {_text(status.get('held_requests'))}",
                  f"samples/min {status.get('sample_rate_per_min', 0):.1f}")
+    if status.get("held_requests"):
+        reasons = ", ".join(f"{k} {v}" for k, v in sorted((status.get("held_by_reason") or {}).items()))
+        oldest = status.get("oldest_hold_s")
+        grid.add_row("[bold]held[/]", reasons or "-", f"oldest held {oldest:.1f} s" if oldest is not None else "",
+                     "", "")
     grid.add_row("", f"prefix hit {_pct(status.get('prefix_hit_rate'))}",
                  f"mixture TV {status.get('mixture_tv_points', 0):.2f} pts",
                  f"sessions ended idle {_text(status.get('sessions_ended_idle'))}", "")

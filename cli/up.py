@@ -107,6 +107,8 @@ async def serve(args: argparse.Namespace, console: Console) -> None:
         console.print(f"[bold green]RolloutPool {pool.name!r} is up[/]: router at [bold]{pool.router_url}[/] "
                       f"(OpenAI API under /v1, status at /status), policy {pool.config.policy.name.value}, "
                       f"{len(pool.engine_urls)} engine(s): {', '.join(pool.engine_urls)}")
+        for line in pool.warnings:
+            console.print(f"[bold yellow]warning:[/] engine {line}", highlight=False, soft_wrap=True)
         for line in admin_token_lines(pool.router_url, pool.admin_token, args.admin_token_file):
             console.print(line, highlight=False, soft_wrap=True)
         console.print(f"Watching {args.filename} for admission changes. Ctrl-C stops everything.")

@@ -114,6 +114,12 @@ class RouterConfig(_Frozen):
     hold_retry_after_s: int = Field(
         5, ge=0, description="Retry-After seconds sent with a hold-deadline 503 (project default)."
     )
+    no_healthy_engine_wait_s: float = Field(
+        5.0, gt=0.0,
+        description="While no engine is healthy, a request waits at most this long for one (a restart "
+        "or a first probe) before a 503 no_healthy_engine naming each engine's last error, instead "
+        "of the whole hold deadline (project default: a few health probes).",
+    )
     scrape_interval_s: float = Field(
         0.25, gt=0.0,
         description="Seconds between /metrics scrapes of each engine (project default: about two "

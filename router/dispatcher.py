@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from .config import RouterConfig
 from .engines import EngineRegistry
-from .errors import HoldDeadlineExceeded, ShuttingDown
+from .errors import HoldDeadlineExceeded, NoHealthyEngine, ShuttingDown
 from .metrics import Outcome, RouterMetrics
 from .policy.runner import PolicyRunner
 from .policy.types import Completion, Decision, RequestMeta
@@ -94,8 +94,10 @@ class Dispatcher:
         self._waiters[meta.request_id] = fut
         self._touch()
         try:
-            async with asyncio.timeout(deadline_s):
-                decision = await fut
+            decision = await self._placed(fut, deadline_s)
+        except NoHealthyEngine:
+            self._give_up(meta, now, Outcome.HOLD_DEADLINE)
+            raise
         except TimeoutError:
             if not _has_result(fut):
                 self._give_up(meta, now, Outcome.HOLD_DEADLINE)
@@ -120,6 +122,34 @@ class Dispatcher:
         self._metrics.hold_wait.labels(meta.workload_class, "placed").observe(held_s)
         assert decision.engine_id is not None
         return decision.engine_id, held_s
+
+    async def _placed(self, fut: asyncio.Future[Decision], deadline_s: float) -> Decision:
+        """The held request's placement, within ``deadline_s`` (TimeoutError otherwise).
+
+        With no healthy engine nothing will free capacity, so the request waits for one only
+        ``no_healthy_engine_wait_s`` and fails fast (``NoHealthyEngine``) if none came back.
+        """
+        if self._registry.healthy_count() > 0 or deadline_s <= self._config().no_healthy_engine_wait_s:
+            async with asyncio.timeout(deadline_s):
+                return await fut
+        first = self._config().no_healthy_engine_wait_s
+        try:
+            async with asyncio.timeout(first):
+                return await asyncio.shield(fut)  # shielded: the wait may go on below
+        except TimeoutError:
+            if _has_result(fut):
+                return fut.result()
+            if self._registry.healthy_count() == 0:
+                raise NoHealthyEngine(self._no_engine_message(first),
+                                      retry_after_s=self._config().hold_retry_after_s) from None
+        async with asyncio.timeout(deadline_s - first):
+            return await fut
+
+    def _no_engine_message(self, waited_s: float) -> str:
+        errors = [f"{eid}: {st.last_error or 'not yet probed'}"
+                  for eid in self._registry.ids() if (st := self._registry.get(eid)) is not None]
+        return (f"no healthy engine for {waited_s:g} s ({'; '.join(errors) or 'no engines configured'}); "
+                "retry later")
 
     def _draining(self) -> frozenset[str]:
         """Engines the config marks draining: new sessions go elsewhere (runner.py)."""

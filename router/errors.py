@@ -48,6 +48,14 @@ class HoldDeadlineExceeded(RouterError):
         self.retry_after_s = retry_after_s
 
 
+class NoHealthyEngine(HoldDeadlineExceeded):
+    """No engine was healthy for ``no_healthy_engine_wait_s``: the request fails fast, with why."""
+
+    def __init__(self, message: str, *, retry_after_s: int) -> None:
+        super().__init__(message, retry_after_s=retry_after_s)
+        self.code = "no_healthy_engine"
+
+
 class ShuttingDown(RouterError):
     """The router is draining for shutdown and takes no new work."""
 

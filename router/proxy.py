@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import logging
 import time
 import uuid
 from collections.abc import Mapping
@@ -45,9 +46,13 @@ from .policy.types import Completion, RequestMeta
 from .request_meta import EndpointKind, ParsedRequest, parse_request
 from .state import STATE, RouterState
 
+log = logging.getLogger(__name__)
+
 ENGINE_HEADER = "X-Misat-Engine"
 """Response header naming the engine that served the request."""
 ABORT_HEADER = "X-Misat-Abort"
+WARNING_HEADER = "X-Misat-Warning"
+"""On answers to requests accepted as written but probably not meant so (ParsedRequest.warning)."""
 """On an answer the router itself aborted (``router``): output the engine had made was lost."""
 COMPLETIONS_PATH = "/v1/completions"
 CHAT_PATH = "/v1/chat/completions"
@@ -91,12 +96,14 @@ def _forward_headers(headers: Mapping[str, str]) -> CIMultiDict[str]:
     return out
 
 
-def _response_headers(headers: Mapping[str, str], engine_id: str) -> CIMultiDict[str]:
+def _response_headers(headers: Mapping[str, str], engine_id: str, warning: str | None = None) -> CIMultiDict[str]:
     out: CIMultiDict[str] = CIMultiDict()
     for k, v in headers.items():
         if k.lower() not in HOP_BY_HOP:
             out.add(k, v)
     out[ENGINE_HEADER] = engine_id
+    if warning is not None:
+        out[WARNING_HEADER] = warning
     return out
 
 
@@ -411,7 +418,7 @@ class Forwarder:
         return web.Response(
             status=upstream.status,
             body=body,
-            headers=_response_headers(upstream.headers, engine),
+            headers=_response_headers(upstream.headers, engine, self.parsed.warning),
         )
 
     async def _relay_stream(
@@ -420,7 +427,7 @@ class Forwarder:
         s = self.state
         meta = self.parsed.meta
         resp = web.StreamResponse(
-            status=upstream.status, headers=_response_headers(upstream.headers, engine)
+            status=upstream.status, headers=_response_headers(upstream.headers, engine, self.parsed.warning)
         )
         tracker = SseUsageTracker()
         outcome = Outcome.OK if upstream.status < 400 else Outcome.ENGINE_ERROR
@@ -488,7 +495,13 @@ async def _generation(request: web.Request, kind: EndpointKind, path: str) -> we
         prefix=s.config.policy.prefix,
         request_id=uuid.uuid4().hex,
     )
+    if parsed.warning is not None and parsed.meta.workload_class not in _warned_classes:
+        _warned_classes.add(parsed.meta.workload_class)  # once per class and process: not per request
+        log.warning("%s (further such requests are answered with %s only)", parsed.warning, WARNING_HEADER)
     return await Forwarder(s, request, parsed, path, arrived).run()
+
+
+_warned_classes: set[str] = set()
 
 
 async def handle_completions(request: web.Request) -> web.StreamResponse:

@@ -65,6 +65,8 @@ class ParsedRequest:
     meta: RequestMeta
     body: bytes
     stream: bool
+    warning: str | None = None
+    """Said back to the client (``X-Misat-Warning``): accepted, but probably not what was meant."""
 
 
 def _is_int(v: object) -> bool:
@@ -309,4 +311,9 @@ def parse_request(
         end_of_session=bool(end),
         samples=prompt.count * int(obj.get("n") or 1),
     )
-    return ParsedRequest(meta=meta, body=body, stream=stream)
+    spec = mix.get(cls)
+    warning = None
+    if spec is not None and spec.multi_turn and session_id is None:
+        warning = (f"class {cls!r} is multi-turn but the request has no session id ({HEADER_SESSION_ID} or "
+                   "rollout.session_id): each turn is admitted as a new session and loses its engine's prefix cache")
+    return ParsedRequest(meta=meta, body=body, stream=stream, warning=warning)

@@ -12,7 +12,7 @@ sessions, cap}``; baselines report none and the fields are null.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Mapping
 from typing import Any
 
@@ -124,6 +124,10 @@ class RouterStatus(BaseModel):
     healthy_engines: int
     requests_in_flight: int
     held_requests: int
+    held_by_reason: dict[str, int] = Field(
+        default_factory=dict, description="Held requests per hold reason (session_cap, class_cap, paused, ...)."
+    )
+    oldest_hold_s: float | None = Field(None, description="Seconds the longest-held request has waited; null when none.")
     classes: list[ClassStatus]
     engines: list[EngineStatus]
     kv: list[KvAllocation]
@@ -238,6 +242,7 @@ def build_status(
             )
         )
     healthy = registry.healthy_count()
+    held = runner.held()
     return RouterStatus(
         generation=config.generation,
         config_hash=config_hash,
@@ -250,6 +255,8 @@ def build_status(
         healthy_engines=healthy,
         requests_in_flight=requests_in_flight,
         held_requests=runner.held_count(),
+        held_by_reason=dict(Counter(e.reason.value for e in held)),
+        oldest_hold_s=round(now - min(e.held_at for e in held), 3) if held else None,
         classes=classes,
         engines=engines,
         kv=kv,

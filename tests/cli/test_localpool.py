@@ -113,3 +113,23 @@ def test_up_reports_an_invalid_manifest(tmp_path: Path, capsys: pytest.CaptureFi
     bad.write_text("kind: RolloutPool\nmetadata: {name: x}\nspec: {}\n")
     assert up_main(["-f", str(bad)]) == 1
     assert "invalid RolloutPool" in capsys.readouterr().err
+
+
+async def test_an_unreachable_engine_url_is_a_warning_and_requests_fail_fast(tmp_path: Path) -> None:
+    import aiohttp
+
+    from misat_cli.processes import free_port
+
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    async with local_pool(small_manifest(tmp_path), engine_urls=[dead], port=0) as pool:
+        assert len(pool.warnings) == 1 and pool.warnings[0].startswith(f"{dead}: unreachable")
+        # The manifest's router settings apply; a request fails within the short no-engine wait.
+        wait_s = pool.config.no_healthy_engine_wait_s
+        assert wait_s < pool.config.hold_deadline_s
+        async with aiohttp.ClientSession() as http, http.post(
+            f"{pool.router_url}/v1/completions", headers={"X-Rollout-Class": "rlhf"},
+            json={"model": pool.spec.model.served, "prompt": [1, 2], "max_tokens": 2},
+        ) as resp:
+            body = await resp.json()
+    assert resp.status == 503 and body["error"]["code"] == "no_healthy_engine"
+    assert dead in body["error"]["message"]

@@ -38,6 +38,11 @@ async def test_held_requests_are_released_in_arrival_order(
             await h.wait(lambda i=i: h.state.runner.held_count() == i)
         assert [e.reason.value for e in h.state.runner.held()] == [
             "concurrency_limit", "queued_behind", "queued_behind"]
+        async with http.get(h.url + "/status") as r:
+            status = await r.json()
+        # /status says why work is held and for how long the oldest has waited.
+        assert status["held_by_reason"] == {"concurrency_limit": 1, "queued_behind": 2}
+        assert status["oldest_hold_s"] is not None and status["oldest_hold_s"] >= 0
         assert len(eng.requests) == 1  # nothing held reached the engine
         eng.gate.set()
         results = await asyncio.gather(first, *held)
@@ -221,3 +226,41 @@ async def test_engines_from_service_dns(engines: list[FakeEngine], make_router) 
     await h.wait(lambda: h.state.registry.healthy_count() == 1)
     async with aiohttp.ClientSession() as http:
         assert (await post(http, h.url, [1]))[2]["X-Misat-Engine"] == f"http://127.0.0.1:{port}"
+
+
+async def test_no_healthy_engine_fails_fast_with_each_engines_reason(
+    engines: list[FakeEngine], make_router
+) -> None:
+    import json
+
+    h = await make_router(engines, hold_deadline_s=60.0, no_healthy_engine_wait_s=0.2, hold_retry_after_s=3)
+    for e in engines:
+        e.healthy = False
+    await h.wait(lambda: h.state.registry.healthy_count() == 0)
+    async with aiohttp.ClientSession() as http:
+        t0 = time.monotonic()
+        status, body, headers = await post(http, h.url, [1])
+        waited = time.monotonic() - t0
+    assert status == 503 and headers["Retry-After"] == "3"
+    err = json.loads(body)["error"]
+    assert err["code"] == "no_healthy_engine" and err["type"] == "service_unavailable_error"
+    assert all(e.url in err["message"] for e in engines)
+    # Failed after the short wait, not the 60 s hold deadline.
+    assert waited < 30.0
+    assert h.state.runner.held_count() == 0 and not h.state.dispatcher.in_flight
+    assert not any(e.requests for e in engines)
+
+
+async def test_an_engine_back_within_the_wait_serves_the_request(
+    engines: list[FakeEngine], make_router
+) -> None:
+    eng = engines[0]
+    h = await make_router([eng], no_healthy_engine_wait_s=30.0)
+    eng.healthy = False
+    await h.wait(lambda: h.state.registry.healthy_count() == 0)
+    async with aiohttp.ClientSession() as http:
+        req = asyncio.create_task(post(http, h.url, [4]))
+        await h.wait(lambda: h.state.runner.held_count() == 1)
+        eng.healthy = True
+        status, _, _ = await req
+    assert status == 200 and [r["prompt"] for r in eng.requests] == [[4]]

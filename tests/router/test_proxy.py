@@ -226,3 +226,22 @@ async def test_engine_error_status_passes_through(engines: list[FakeEngine], mak
     assert h.state.runner.mixture.total == 0  # a failed single-request session is no unit
     metrics = h.state.metrics.render().decode()
     assert 'misat_requests_total{class="rlvr",outcome="engine_error"} 1.0' in metrics
+
+
+async def test_a_multi_turn_request_without_a_session_id_is_served_with_a_warning(
+    engines: list[FakeEngine], make_router
+) -> None:
+    h = await make_router(engines[:1])
+    async with aiohttp.ClientSession() as http:
+        async with http.post(h.url + "/v1/completions", headers={"X-Rollout-Class": "agentic"},
+                             json={"model": MODEL, "prompt": [1, 2], "max_tokens": 1}) as r:
+            assert r.status == 200
+            warning = r.headers["X-Misat-Warning"]
+        async with http.post(h.url + "/v1/completions",
+                             headers={"X-Rollout-Class": "agentic", "X-Session-Id": "s1"},
+                             json={"model": MODEL, "prompt": [1, 2], "max_tokens": 1}) as r:
+            assert r.status == 200 and "X-Misat-Warning" not in r.headers
+        async with http.post(h.url + "/v1/completions", headers={"X-Rollout-Class": "rlvr"},
+                             json={"model": MODEL, "prompt": [1, 2], "max_tokens": 1}) as r:
+            assert "X-Misat-Warning" not in r.headers  # single-turn classes need no session id
+    assert "'agentic' is multi-turn" in warning and "X-Session-Id" in warning

@@ -1,0 +1,304 @@
+"""The weight-update admin API: pause wait vs abort (vLLM's abort answers, counters drain),
+resume with prefix-cache reset and a weight version, engine fan-out, the control pass-through,
+and each refusal in the OpenAI error shape."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+
+import aiohttp
+import pytest
+from aiohttp.test_utils import TestServer
+
+from misat_router.app import create_app
+from misat_router.state import STATE, RouterState
+from misat_sim.config import SimEngineConfig
+from misat_sim.server import STATE as SIM_STATE
+from misat_sim.server import RunningServer, start_server
+from tests.support.fake_engine import FakeEngine
+from tests.support.router_config import MODEL, router_config
+
+from .conftest import WAIT_S, open_parked_stream
+
+TOKEN = "s3cret"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+RLVR = {"X-Rollout-Class": "rlvr"}
+LONG = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 1500, "ignore_eos": True}
+"""Runs for seconds on a real-time simulated engine: in flight while the test pauses."""
+
+
+@pytest.fixture
+async def sims() -> AsyncIterator[list[RunningServer]]:
+    servers = []
+    for i in range(2):
+        cfg = SimEngineConfig(profile="tiny-cpu", served_model_name=MODEL, time_scale=1.0, seed=i,
+                              engine_index=i)
+        servers.append(await start_server(cfg))
+    yield servers
+    for s in servers:
+        await s.stop()
+
+
+class Router:
+    def __init__(self, server: TestServer) -> None:
+        self.server = server
+
+    @property
+    def state(self) -> RouterState:
+        return self.server.app[STATE]  # type: ignore[index]
+
+    @property
+    def url(self) -> str:
+        return str(self.server.make_url("")).rstrip("/")
+
+    async def wait(self, predicate) -> None:  # type: ignore[no-untyped-def]
+        await self.state.wait_until(predicate, WAIT_S)
+
+
+@pytest.fixture
+async def make() -> AsyncIterator:  # type: ignore[type-arg]
+    started: list[TestServer] = []
+
+    async def start(urls: list[str]) -> Router:
+        server = TestServer(create_app(router_config(urls), admin_token=TOKEN), host="127.0.0.1")
+        await server.start_server()
+        started.append(server)
+        r = Router(server)
+        await r.wait(lambda: r.state.registry.healthy_count() == len(urls))
+        return r
+
+    yield start
+    for s in started:
+        await s.close()
+
+
+async def _generating(sim: RunningServer) -> None:
+    """Wait (bounded) until the engine has emitted tokens for every live request."""
+    st = sim.app[SIM_STATE]
+
+    async def ready() -> None:
+        while True:
+            reqs = [st.engine.get_request(c) for c in list(st.live)]
+            if reqs and all(r is not None and r.num_output_tokens > 0 for r in reqs):
+                return
+            await asyncio.sleep(0.01)
+
+    await asyncio.wait_for(ready(), WAIT_S)
+
+
+def _drained(state: RouterState) -> bool:
+    return (not state.dispatcher.in_flight and state.runner.held_count() == 0
+            and not state.runner.sessions and state.runner.policy.load.total == 0)
+
+
+async def test_pause_abort_returns_partial_output_then_resume_records_the_version(sims, make) -> None:
+    r = await make([sims[0].base_url])
+    async with aiohttp.ClientSession() as http:
+        gen = asyncio.create_task(http.post(r.url + "/v1/completions", headers=RLVR,
+                                            json={**LONG, "n": 2, "return_token_ids": True, "logprobs": 0}))
+        await r.wait(lambda: len(r.state.dispatcher.in_flight) == 1)
+        await _generating(sims[0])
+        async with http.post(r.url + "/admin/pause", params={"mode": "abort"}, headers=AUTH) as resp:
+            assert resp.status == 200
+            body = await resp.json()
+        assert body == {"paused": True, "mode": "abort", "requests_in_flight": 0, "held_requests": 0,
+                        "aborted_requests": 1, "prefix_cache_reset": None}
+        answer = await asyncio.wait_for(gen, WAIT_S)
+        out = await answer.json()
+        answer.release()
+        assert [c["finish_reason"] for c in out["choices"]] == ["abort", "abort"]
+        assert all(0 < len(c["token_ids"]) < 1500 for c in out["choices"])  # the partial rollout
+        assert _drained(r.state)
+        assert sims[0].app[SIM_STATE].paused  # the router paused the engine through vLLM's /pause
+        metrics = await (await http.get(r.url + "/metrics")).text()
+        assert 'misat_aborted_requests_total{by="engine",class="rlvr"} 1.0' in metrics
+        # Held while paused; resume resets the caches, records the version, releases it.
+        held = asyncio.create_task(http.post(r.url + "/v1/completions", headers=RLVR,
+                                             json={"model": MODEL, "prompt": [5], "max_tokens": 2}))
+        await r.wait(lambda: r.state.runner.held_count() == 1)
+        async with http.post(r.url + "/admin/resume", headers=AUTH,
+                             params={"reset_prefix_cache": "true", "weight_version": "step-7"}) as resp:
+            body = await resp.json()
+        assert body["paused"] is False and body["weight_version"] == "step-7" and body["mode"] == "abort"
+        assert body["prefix_cache_reset"] == {sims[0].base_url: "ok"}
+        done = await asyncio.wait_for(held, WAIT_S)
+        assert done.status == 200
+        done.release()
+        assert not sims[0].app[SIM_STATE].paused
+        status = await (await http.get(r.url + "/status")).json()
+    assert status["paused"] is False and status["pause_mode"] is None
+    assert [e["weight_version"] for e in status["engines"]] == ["step-7"]
+    await r.wait(lambda: _drained(r.state))
+
+
+async def test_pause_abort_ends_a_stream_with_an_abort_chunk(sims, make) -> None:
+    r = await make([sims[0].base_url])
+    async with aiohttp.ClientSession() as http:
+        resp = await http.post(r.url + "/v1/completions", headers=RLVR,
+                               json={**LONG, "stream": True, "stream_options": {"include_usage": True}})
+        await r.wait(lambda: len(r.state.dispatcher.in_flight) == 1)
+        await _generating(sims[0])
+        async with http.post(r.url + "/admin/pause?mode=abort", headers=AUTH) as p:
+            assert (await p.json())["aborted_requests"] == 1
+        raw = (await asyncio.wait_for(resp.read(), WAIT_S)).decode()
+        resp.release()
+    events = [json.loads(e[6:]) for e in raw.split("\n\n") if e.startswith("data: {")]
+    assert [c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]] == ["abort"]
+    assert events[-1]["usage"]["completion_tokens"] > 0 and raw.endswith("data: [DONE]\n\n")
+    assert _drained(r.state)
+
+
+async def test_an_engine_without_abort_is_aborted_by_the_router(make) -> None:
+    fake = FakeEngine("a", wait_s=WAIT_S)
+    await fake.start()
+    try:
+        r = await make([fake.url])
+        fake.mid_stream_gate = asyncio.Event()  # streams pause after their first chunk
+        async with aiohttp.ClientSession() as http:
+            stream, _first = await open_parked_stream(http, r.url, stream_options={"include_usage": True})
+            fake.gate = asyncio.Event()  # answers to later requests wait
+            gen = asyncio.create_task(http.post(r.url + "/v1/completions", headers=RLVR,
+                                                json={"model": MODEL, "prompt": [1], "max_tokens": 3, "n": 2}))
+            await r.wait(lambda: len(r.state.dispatcher.in_flight) == 2)
+            async with http.post(r.url + "/admin/pause", params={"mode": "abort"}, headers=AUTH) as p:
+                body = await p.json()
+            assert body["aborted_requests"] == 2 and body["requests_in_flight"] == 0
+            answer = await asyncio.wait_for(gen, WAIT_S)
+            assert answer.headers["X-Misat-Abort"] == "router"
+            out = await answer.json()
+            answer.release()
+            assert [(c["index"], c["finish_reason"], c["text"]) for c in out["choices"]] == [
+                (0, "abort", ""), (1, "abort", "")]
+            raw = (await asyncio.wait_for(stream.read(), WAIT_S)).decode()
+            stream.release()
+            metrics = await (await http.get(r.url + "/metrics")).text()
+        events = [json.loads(e[6:]) for e in raw.split("\n\n") if e.startswith("data: {")]
+        assert events[-2]["choices"][0]["finish_reason"] == "abort"
+        assert "usage" in events[-1] and raw.endswith("data: [DONE]\n\n")
+        assert 'misat_aborted_requests_total{by="router",class="rlvr"} 2.0' in metrics
+        assert 'misat_requests_total{class="rlvr",outcome="aborted"} 2.0' in metrics
+        assert _drained(r.state)
+    finally:
+        for gate in (fake.gate, fake.mid_stream_gate):
+            if gate is not None:
+                gate.set()  # the engine's parked handlers end, so it can close
+        await fake.close()
+
+
+async def test_pause_wait_lets_in_flight_finish(make) -> None:
+    fake = FakeEngine("a", wait_s=WAIT_S)
+    await fake.start()
+    try:
+        r = await make([fake.url])
+        fake.mid_stream_gate = asyncio.Event()
+        async with aiohttp.ClientSession() as http:
+            stream, _first = await open_parked_stream(http, r.url)
+            await r.wait(lambda: len(r.state.dispatcher.in_flight) == 1)
+            async with http.post(r.url + "/admin/pause", headers=AUTH) as p:
+                body = await p.json()
+            assert body["mode"] == "wait" and body["requests_in_flight"] == 1 and body["aborted_requests"] == 0
+            status = await (await http.get(r.url + "/status")).json()
+            assert status["paused"] is True and status["pause_mode"] == "wait"
+            fake.mid_stream_gate.set()
+            raw = (await asyncio.wait_for(stream.read(), WAIT_S)).decode()
+            stream.release()
+        assert '"finish_reason": "abort"' not in raw and raw.endswith("data: [DONE]\n\n")
+        await r.wait(lambda: _drained(r.state))
+    finally:
+        await fake.close()
+
+
+async def test_engine_ops_fan_out_and_the_call_passes_through(sims, make) -> None:
+    urls = [s.base_url for s in sims]
+    r = await make(urls)
+    async with aiohttp.ClientSession() as http:
+        async with http.post(r.url + "/admin/engines/sleep?level=1", headers=AUTH) as resp:
+            body = await resp.json()
+        assert body == {"op": "sleep", "engines": {u: {"status": 200, "body": ""} for u in urls}}
+        assert all(s.app[SIM_STATE].sleeping and s.app[SIM_STATE].sleep_level == 1 for s in sims)
+        call = {"method": "GET", "path": "/is_sleeping"}
+        async with http.post(r.url + "/admin/engines/call", json=call, headers=AUTH) as resp:
+            body = await resp.json()
+        assert body["engines"] == {u: {"status": 200, "body": {"is_sleeping": True}} for u in urls}
+        async with http.post(r.url + "/admin/engines/wake_up", headers=AUTH) as resp:
+            assert all(v["status"] == 200 for v in (await resp.json())["engines"].values())
+        assert not any(s.app[SIM_STATE].sleeping for s in sims)
+        async with http.post(r.url + "/admin/engines/reset_prefix_cache", headers=AUTH) as resp:
+            assert all(v["status"] == 200 for v in (await resp.json())["engines"].values())
+        update = {"path": "/update_weight_version", "body": {"new_version": "v9"}, "weight_version": "v9"}
+        async with http.post(r.url + "/admin/engines/call", json=update, headers=AUTH) as resp:
+            body = await resp.json()
+        assert body["engines"] == {u: {"status": 200, "body": {"success": True, "new_version": "v9"}}
+                                   for u in urls}
+        status = await (await http.get(r.url + "/status")).json()
+        assert [e["weight_version"] for e in status["engines"]] == ["v9", "v9"]
+        assert all(s.app[SIM_STATE].weight_version == "v9" for s in sims)
+        metrics = await (await http.get(r.url + "/metrics")).text()
+    assert f'misat_engine_weight_version_info{{engine="{urls[0]}",version="v9"}} 1.0' in metrics
+    assert "misat_weight_version_changes_total" in metrics
+
+
+async def test_a_failed_engine_is_reported_and_not_versioned(make) -> None:
+    fakes = [FakeEngine("a", wait_s=WAIT_S), FakeEngine("b", wait_s=WAIT_S)]
+    for f in fakes:
+        await f.start()
+    try:
+        r = await make([f.url for f in fakes])
+        await fakes[1].die()
+        call = {"path": "/update_weights", "body": {"update_info": {}}, "weight_version": "v2"}
+        async with aiohttp.ClientSession() as http, http.post(r.url + "/admin/engines/call", json=call,
+                                                              headers=AUTH) as resp:
+            body = await resp.json()
+        # The fake engine has no such endpoint (404); the dead one cannot be reached.
+        assert body["engines"][fakes[0].url]["status"] == 404
+        assert "error" in body["engines"][fakes[1].url]
+        assert r.state.weight_versions == {}
+    finally:
+        for f in fakes:
+            await f.close()
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "payload", "status", "param"),
+    [
+        ("POST", "/admin/pause?mode=later", None, 400, "mode"),
+        ("POST", "/admin/resume?weight_version=", None, 400, "weight_version"),
+        ("POST", "/admin/engines/explode", None, 404, "op"),
+        ("POST", "/admin/engines/call", {"path": "/v1/completions"}, 400, "path"),
+        ("POST", "/admin/engines/call", {"path": "/v1"}, 400, "path"),
+        ("POST", "/admin/engines/call", {"path": "update_weights"}, 400, "path"),
+        ("POST", "/admin/engines/call", {"path": "//evil/x"}, 400, "path"),
+        ("POST", "/admin/engines/call", {"path": "/pause?mode=abort"}, 400, "path"),
+        ("POST", "/admin/engines/call", {}, 400, "path"),
+        ("POST", "/admin/engines/call", {"path": "/sleep", "method": "PATCH"}, 400, "method"),
+        ("POST", "/admin/engines/call", {"path": "/sleep", "headers": {}}, 400, "headers"),
+    ],
+)
+async def test_refusals_have_the_openai_shape(make, method, path, payload, status, param) -> None:
+    fake = FakeEngine("a", wait_s=WAIT_S)
+    await fake.start()
+    try:
+        r = await make([fake.url])
+        async with aiohttp.ClientSession() as http, http.request(method, r.url + path, json=payload,
+                                                                 headers=AUTH) as resp:
+            assert resp.status == status
+            err = (await resp.json())["error"]
+        assert err["param"] == param and set(err) == {"message", "type", "param", "code"}
+        assert r.state.runner.paused is False and fake.generations == 0
+    finally:
+        await fake.close()
+
+
+async def test_engine_admin_needs_the_token(make) -> None:
+    fake = FakeEngine("a", wait_s=WAIT_S)
+    await fake.start()
+    try:
+        r = await make([fake.url])
+        async with aiohttp.ClientSession() as http:
+            for path in ("/admin/engines/sleep", "/admin/engines/call"):
+                async with http.post(r.url + path, json={"path": "/sleep"}) as resp:
+                    assert resp.status == 401
+    finally:
+        await fake.close()
