@@ -127,7 +127,9 @@ class RouterStatus(BaseModel):
     held_by_reason: dict[str, int] = Field(
         default_factory=dict, description="Held requests per hold reason (session_cap, class_cap, paused, ...)."
     )
-    oldest_hold_s: float | None = Field(None, description="Seconds the longest-held request has waited; null when none.")
+    oldest_hold_s: float | None = Field(
+        None, description="Seconds the longest-held request has waited; null when none."
+    )
     classes: list[ClassStatus]
     engines: list[EngineStatus]
     kv: list[KvAllocation]
