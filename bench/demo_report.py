@@ -40,6 +40,10 @@ ONE_RUN_PARITY: float = 0.05
 """With one run per row (no interval), a ratio within this of 1.0 reads as parity: the spread of
 repeated live demo runs on the same seed here (docs/demo.md) is of this order."""
 
+MIXTURE_OFF_POINTS: float = 3.0
+"""An untuned row whose consumed mixture is further than this (TV points) from the target gets a sentence
+saying so: its units/min then overstates what a trainer at that mixture receives."""
+
 HIT_COLLAPSE_POINTS: float = 10.0
 """The high-ceiling baseline's prefix hit this many points under the tuned one reads as a collapse."""
 
@@ -204,6 +208,9 @@ def verdict(report: DemoReport) -> list[str]:
         first = (f"{name} lost to {base}: {x} its mixture-constrained sample rate ({hits}); on this workload "
                  "the tuned static limit does better than this router's admission.")
     out = [first]
+    mix = _mixture_sentence(report, untuned, tuned)
+    if mix:
+        out.append(mix)
     high_ratio = report.ratios["high"]
     if high_ratio.interval is not None:
         drop = (tuned.mean("prefix_hit_rate") or 0.0) - (high.mean("prefix_hit_rate") or 0.0)
@@ -218,6 +225,23 @@ def verdict(report: DemoReport) -> list[str]:
                        f"rate (prefix hit {_pct(high.mean('prefix_hit_rate'))}): on this fleet a wrong limit "
                        "costs little.")
     return out
+
+
+def _mixture_sentence(report: DemoReport, untuned: Row, tuned: Row) -> str | None:
+    """When the untuned row's raw units/min and its mixture-constrained rate tell different stories."""
+    u, t = untuned.mean("units_per_min"), tuned.mean("units_per_min")
+    tv = untuned.mean("tv_points")
+    if not u or not t or tv is None or tv <= MIXTURE_OFF_POINTS or not untuned.runs:
+        return None
+    consumed = {c: sum(r.consumed_pct.get(c, 0.0) for r in untuned.runs) / len(untuned.runs)
+                for c in report.target_pct}
+    total = sum(report.target_pct.values()) or 1.0
+    scarce = min(consumed, key=lambda c: consumed[c] / (report.target_pct[c] / total * 100) if report.target_pct[c]
+                 else float("inf"))
+    return (f"It completed {u / t:.2f}x the baseline's units per minute, but off the trainer's mixture "
+            f"(TV {tv:.1f} points; {scarce} {consumed[scarce]:.0f}% of completions against a "
+            f"{100 * report.target_pct[scarce] / total:.0f}% target), and a trainer that fills batches at its "
+            "mixture waits for the scarcest class.")
 
 
 def table_rows(report: DemoReport) -> list[list[str]]:

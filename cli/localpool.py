@@ -59,6 +59,20 @@ class PoolError(Exception):
     """A clear, user-facing reason why the local pool cannot run (no traceback wanted)."""
 
 
+def _yaml_position(exc: yaml.YAMLError) -> str:
+    """``:line:column`` (1-based, as editors count) of a YAML error, or nothing when unknown."""
+    mark = getattr(exc, "problem_mark", None)
+    return f":{mark.line + 1}:{mark.column + 1}" if mark is not None else ""
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    problem = getattr(exc, "problem", None)
+    context = getattr(exc, "context", None)
+    if problem is None:
+        return str(exc)
+    return f"{problem} ({context})" if context else str(problem)
+
+
 def load_manifest(path: Path) -> tuple[str, RolloutPoolSpec]:
     """Read and validate a RolloutPool manifest: (name, spec), or PoolError with the reason."""
     try:
@@ -68,7 +82,7 @@ def load_manifest(path: Path) -> tuple[str, RolloutPoolSpec]:
     try:
         doc = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise PoolError(f"{path}: not valid YAML: {exc}") from None
+        raise PoolError(f"{path}{_yaml_position(exc)}: not valid YAML: {_yaml_problem(exc)}") from None
     except (RecursionError, ValueError) as exc:
         raise PoolError(f"{path}: not a usable manifest: {type(exc).__name__}: {exc}") from None
     if not isinstance(doc, dict) or doc.get("kind") != "RolloutPool":

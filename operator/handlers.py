@@ -1,26 +1,46 @@
-"""kopf handlers: reconcile (create/update/resume), hot reload, status timer. The only API I/O.
+"""kopf wiring and the reconcile pass. The only API I/O (with kube.py and router_client.py).
 
-Shape of every pass: validate the whole spec, render every object, then apply
-(create, patch only differences, or leave alone) in a fixed order, push the
-router config, and report. An invalid spec stops before the first write:
-conditions say why (``InvalidSpec``) and ``kopf.PermanentError`` ends the
-retries until the spec changes. The operator writes the pool's status (and
-kopf's bookkeeping annotations), never its spec.
+Level-triggered: one function, ``converge``, makes the cluster match a pool's
+spec from whatever it finds, and everything only asks for it to run:
 
-Hot reload: the ConfigMap is patched and ``PUT /admin/config`` is sent at
-once; ``ConfigApplied`` turns True only when the router's ``/status`` reports
-the pool's generation. The timer retries the push while the router lags
-(e.g. a router that was still starting), and the router's own file watcher is
-the fallback when the operator cannot reach it.
+- a pool's watch event with a new generation (create, update, an operator
+  start: kopf lists every pool first);
+- a watch event on a Deployment, Service or ConfigMap labelled as a pool's
+  child (edited, deleted, its status moved), for the pool that controls it;
+- the resync tick (``status_interval_s``) for every pool: status refresh, a
+  lagging config push, drift on Secrets (not watched: a cluster-wide watch on
+  Secrets is a grant worth avoiding), and conflicts with foreign objects
+  (which carry no pool label, so no event announces that they went).
 
-``register(registry, settings)`` wires everything into a given registry, so
-each test runs a fresh one.
+Runs of one pool never overlap: a request while one runs marks it dirty and
+it runs once more after. No kopf timer, daemon or on-delete handler is
+registered, so kopf adds no finalizer: deleting a pool needs no operator
+(children go by owner references), and a pool never waits for an operator
+that was uninstalled. kopf's finalizer name is set to the project's own
+(``FINALIZER``) all the same, and the finalizer an older version added
+(``RETIRED_FINALIZER``) is removed on sight.
+
+Shape of a pass: validate the whole spec and render every object (an invalid
+spec stops here: ``Stalled``/``InvalidSpec``, nothing written); read what the
+rollout order needs (engine Deployment, ConfigMap, the router's /status);
+apply in order (Secret, ConfigMap, Services, Deployments); push the router
+config when the router runs another; write the status; post an Event per
+condition transition. A child the API server refuses makes the generation
+``Stalled`` (``ChildRefused``, the server's message, the child named) and
+backs off; a foreign object with a child's name makes it ``Stalled``
+(``NameConflict``) until it goes, checked every tick. The operator writes the
+pool's status, never its spec.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
+import logging
+import math
 import secrets
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,34 +48,59 @@ import kopf
 from pydantic import ValidationError
 
 from misat_router.config import RouterConfig
+from misat_router.status import RouterStatus
 
-from .apply import NotOwned, apply_object
+from .apply import ChildProblem, NameConflict, apply_object
 from .kube import Credentials, KubeClient, KubeError, from_kubeconfig, in_cluster
 from .models import RolloutPoolSpec, describe_spec_error, parse_spec, pool_name_error
-from .names import GROUP, PLURAL, VERSION, PoolNames
-from .render import (
-    ENGINE_COMPONENT,
-    PoolRef,
-    build_router_config,
-    render,
-    token_from_secret,
+from .names import API_VERSION, CONFIG_KEY, GROUP, KIND, MANAGER, PLURAL, POOL_LABEL, VERSION, PoolNames
+from .render import ENGINE_COMPONENT, PoolRef, build_config_map, render, token_from_secret
+from .rollout import (
+    DELETION_COST_ANNOTATION,
+    DRAINED_DELETION_COST,
+    Drain,
+    ScalePlan,
+    config_engine_port,
+    drain_from_status,
+    drain_to_status,
+    engine_rows,
+    needs_recreate,
+    plan_scale,
+    pods_of_engines,
+    routed_port,
+    with_rollout_order,
 )
 from .router_client import RouterClient, RouterUnavailable
 from .settings import OperatorSettings
 from .status import (
+    INVALID_SPEC,
+    STALLED,
     Cond,
     Observed,
+    Pending,
+    Stall,
     deployment_ready,
-    health_conditions,
-    invalid_spec_conditions,
     merge_conditions,
     now_iso,
+    pool_conditions,
     router_view,
+    stalled_conditions,
+    transitions,
+    weight_versions,
 )
 
+log = logging.getLogger(__name__)
+
 TOKEN_BYTES = 32
-KUBE_RETRY_DELAY_S = 5.0
 ANNOTATION_PREFIX = GROUP
+FINALIZER = f"{GROUP}/operator"
+"""kopf's finalizer name for this operator (no handler registered needs one today)."""
+RETIRED_FINALIZER = "kopf.zalando.org/KopfFinalizerMarker"
+"""kopf's default, added by earlier versions for their status timer; removed on sight."""
+EVENT_MESSAGE_LIMIT = 1024
+"""Longest Event message written (the API server truncates longer ones anyway)."""
+CHILD_RESOURCES = (("apps", "v1", "deployments"), ("", "v1", "services"), ("", "v1", "configmaps"))
+"""Watched children (Secrets are repaired by the resync tick; see the module docstring)."""
 
 
 class InvalidPool(Exception):
@@ -63,36 +108,97 @@ class InvalidPool(Exception):
 
 
 @dataclass
+class StallState:
+    """A generation that cannot progress on its own, and when to try it again (loop time)."""
+
+    generation: int
+    stall: Stall
+    retry_at: float
+    attempts: int = 1
+
+
+@dataclass
+class PoolMemory:
+    """What the operator keeps per pool between passes (all of it can be rebuilt from the cluster)."""
+
+    body: dict[str, Any]
+    conditions: list[dict[str, Any]] | None = None
+    """Conditions last written (the watch's copy of the status may be older)."""
+    stall: StallState | None = None
+    drain: Drain | None = None
+    dirty: bool = False
+    task: asyncio.Task[None] | None = None
+
+    @property
+    def uid(self) -> str:
+        return str(self.body["metadata"]["uid"])
+
+    @property
+    def generation(self) -> int:
+        return _generation(self.body.get("metadata") or {})
+
+
+@dataclass
 class Runtime:
-    """Clients shared by all handlers (created on start-up, closed on cleanup), and per-pool
-    serialisation: reconcile and the status timer of one pool never interleave, and each writes
-    its status inside the pool's lock, so an older observation can never overwrite a newer one."""
+    """Clients shared by all passes (created on start-up, closed on cleanup) and per-pool memory."""
 
     settings: OperatorSettings
     kube: KubeClient | None = None
     router: RouterClient = field(default_factory=RouterClient)
-    locks: dict[str, asyncio.Lock] = field(default_factory=dict)
-    reconciled: dict[str, int] = field(default_factory=dict)
-    """Latest generation a reconcile started on, per pool uid (a timer with an older body skips)."""
-    conditions: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
-    """Conditions last written per pool uid (transition times survive a stale handler body)."""
+    pools: dict[str, PoolMemory] = field(default_factory=dict)
     stopping: bool = False
-    """Set on cleanup: kopf may still tick timers while it exits; they must not reopen clients."""
+    """Set on cleanup: nothing new starts (kopf may still deliver events while it exits)."""
+    resync: asyncio.Task[None] | None = None
 
     def kube_client(self) -> KubeClient:
         assert self.kube is not None, "operator not started"
         return self.kube
 
-    def lock(self, uid: str) -> asyncio.Lock:
-        return self.locks.setdefault(uid, asyncio.Lock())
+    def see(self, body: Mapping[str, Any]) -> bool:
+        """Record a pool's latest body; True when it is new or its generation changed."""
+        raw = copy.deepcopy(dict(body))
+        uid = str(raw["metadata"]["uid"])
+        mem = self.pools.get(uid)
+        if mem is None:
+            self.pools[uid] = PoolMemory(raw, drain=drain_from_status(raw.get("status")))
+            return True
+        changed = _generation(raw["metadata"]) != mem.generation
+        mem.body = raw
+        return changed
 
-    def known_conditions(self, uid: str, status: Any) -> Any:
-        return self.conditions.get(uid) or status.get("conditions")
+    def forget(self, uid: str) -> None:
+        mem = self.pools.pop(uid, None)
+        if mem is not None and mem.task is not None:
+            mem.task.cancel()
 
-    async def write_status(self, ref: PoolRef, body: dict[str, Any]) -> None:
-        await self.kube_client().patch_pool_status(ref.namespace, ref.name, body)
-        if "conditions" in body:
-            self.conditions[ref.uid] = body["conditions"]
+    def trigger(self, uid: str) -> None:
+        """Ask for a pass of this pool (coalesced: one runs at a time, the last request wins)."""
+        mem = self.pools.get(uid)
+        if mem is None or self.stopping:
+            return
+        if mem.task is not None and not mem.task.done():
+            mem.dirty = True
+            return
+        mem.task = asyncio.create_task(self._run(uid), name=f"converge {uid}")
+
+    async def _run(self, uid: str) -> None:
+        while not self.stopping:
+            mem = self.pools.get(uid)
+            if mem is None:
+                return
+            mem.dirty = False
+            try:
+                await converge(self, mem)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a bug in one pass must not end this pool's reconciling for good
+                log.exception("reconcile of pool uid %s failed", uid)
+            if not mem.dirty:
+                return
+
+    def retry_later(self, uid: str, delay_s: float) -> None:
+        if not self.stopping:
+            asyncio.get_running_loop().call_later(delay_s, self.trigger, uid)
 
 
 def kube_credentials(settings: OperatorSettings) -> Credentials:
@@ -112,15 +218,13 @@ def validate(spec: Any, name: str) -> RolloutPoolSpec:
         raise InvalidPool(describe_spec_error(exc)) from None
 
 
-def _generation(meta: Any) -> int:
+def _generation(meta: Mapping[str, Any]) -> int:
     return int(meta.get("generation") or 1)
 
 
-async def _report_invalid(rt: Runtime, ref: PoolRef, status: Any, message: str) -> None:
-    conditions = merge_conditions(
-        rt.known_conditions(ref.uid, status), invalid_spec_conditions(message), ref.generation, now_iso()
-    )
-    await rt.write_status(ref, {"observedGeneration": ref.generation, "conditions": conditions})
+def _ref(body: Mapping[str, Any]) -> PoolRef:
+    meta = body["metadata"]
+    return PoolRef(str(meta["name"]), str(meta["namespace"]), str(meta["uid"]), _generation(meta))
 
 
 async def _admin_token(kube: KubeClient, names: PoolNames) -> str | None:
@@ -138,51 +242,53 @@ async def push_config(rt: Runtime, ref: PoolRef, port: int, token: str, config: 
     return None
 
 
+async def router_status(rt: Runtime, ref: PoolRef, pool: RolloutPoolSpec) -> tuple[RouterStatus | None, str | None]:
+    if not pool.router.replicas:
+        return None, None
+    try:
+        return await rt.router.status(rt.settings.router_base_url(ref.name, ref.namespace, pool.router.port)), None
+    except RouterUnavailable as exc:
+        return None, str(exc)
+
+
 async def observe(rt: Runtime, ref: PoolRef, pool: RolloutPoolSpec) -> tuple[Observed, dict[str, Any] | None]:
     """One snapshot: both Deployments' readiness and the router's /status (None if unreachable)."""
     kube = rt.kube_client()
     names = ref.names
     engines = await kube.get("apps/v1", "Deployment", ref.namespace, names.engines)
     router = await kube.get("apps/v1", "Deployment", ref.namespace, names.router)
-    url = rt.settings.router_base_url(ref.name, ref.namespace, pool.router.port)
-    router_status, error = None, None
-    if pool.router.replicas:
-        try:
-            router_status = await rt.router.status(url)
-        except RouterUnavailable as exc:
-            error = str(exc)
+    status, error = await router_status(rt, ref, pool)
+    # External engines (no engine Deployment): their readiness is the router's healthy count.
+    external = getattr(pool.engines, "external", None) is not None
     obs = Observed(
         generation=ref.generation,
-        engines_desired=pool.engines.replicas,
+        engines_desired=0 if external else pool.engines.replicas,
         engines_ready=deployment_ready(engines),
         router_desired=pool.router.replicas,
         router_ready_replicas=deployment_ready(router),
-        router=router_status,
+        router=status,
         router_error=error,
     )
-    view = router_view(router_status) if router_status is not None else None
-    return obs, view
+    return obs, router_view(status) if status is not None else None
 
 
 def build_status(
-    rt: Runtime, status: Any, ref: PoolRef, pool: RolloutPoolSpec,
-    obs: Observed, view: dict[str, Any] | None, push_error: str | None,
+    rt: Runtime, ref: PoolRef, pool: RolloutPoolSpec, obs: Observed, view: dict[str, Any] | None,
+    push_error: str | None, conds: list[Cond], drain: dict[str, Any] | None,
 ) -> dict[str, Any]:
     """Everything the status shows from one observation (a merge patch of .status)."""
-    now = now_iso()
-    out: dict[str, Any] = {}
     names = ref.names
-    conds = health_conditions(obs)
     if push_error and not (obs.router and obs.router.generation >= ref.generation):
         conds = [c for c in conds if c.type != "ConfigApplied"]
         conds.append(Cond("ConfigApplied", False, "PushFailed", push_error))
-    out["observedGeneration"] = ref.generation
-    out["conditions"] = merge_conditions(rt.known_conditions(ref.uid, status), conds, ref.generation, now)
+    out: dict[str, Any] = {"observedGeneration": ref.generation, "conditions": conds}
     out["engines"] = {
         "desired": obs.engines_desired,
         "ready": obs.engines_ready,
         "summary": f"{obs.engines_ready}/{obs.engines_desired}",
         "selector": names.selector_string(ENGINE_COMPONENT),
+        "drain": drain,
+        "weightVersions": weight_versions(obs.router) if obs.router else None,
     }
     out["router"] = {
         "ready": bool(obs.router and obs.router.ready),
@@ -198,71 +304,250 @@ def build_status(
     }
     if view is not None:
         out.update(view)
-        out["lastUpdateTime"] = now
+        out["lastUpdateTime"] = now_iso()
     return out
 
 
-async def reconcile(
-    rt: Runtime, *, spec: Any, meta: Any, status: Any, name: str, namespace: str, logger: Any,
-) -> None:
-    ref = PoolRef(name, namespace, str(meta["uid"]), _generation(meta))
-    async with rt.lock(ref.uid):
-        rt.reconciled[ref.uid] = max(ref.generation, rt.reconciled.get(ref.uid, 0))
-        await _reconcile_locked(rt, ref, spec, status, logger)
+# ---- writing status and events -------------------------------------------------------
 
 
-async def _reconcile_locked(rt: Runtime, ref: PoolRef, spec: Any, status: Any, logger: Any) -> None:
-    kube = rt.kube_client()
+async def write_status(rt: Runtime, mem: PoolMemory, ref: PoolRef, status: dict[str, Any]) -> None:
+    """Merge the conditions with the last ones written, patch .status, and post an Event per transition."""
+    before = mem.conditions if mem.conditions is not None else (mem.body.get("status") or {}).get("conditions")
+    conds: list[Cond] = status.pop("conditions")
+    merged = merge_conditions(before, conds, ref.generation, now_iso())
+    await rt.kube_client().patch_pool_status(ref.namespace, ref.name, {**status, "conditions": merged})
+    mem.conditions = merged
+    changed = transitions(before, merged)
+    stalled = [c for c in changed if c["type"] == STALLED and c["status"] == "True"]
+    # A stall also turns Ready and Reconciling False for the same reason: one Warning says it all.
+    for cond in stalled or changed:
+        await post_event(rt, ref, "Warning" if stalled else "Normal", str(cond["reason"]),
+                         f"{cond['type']}={cond['status']}: {cond['message']}")
+
+
+async def post_event(rt: Runtime, ref: PoolRef, type_: str, reason: str, message: str) -> None:
+    """A core/v1 Event on the pool (best effort: a lost Event must not fail the pass)."""
+    if not rt.settings.post_events:
+        return
+    now = now_iso()
+    event = {
+        "apiVersion": "v1",
+        "kind": "Event",
+        "metadata": {"name": f"{ref.name}.{secrets.token_hex(8)}", "namespace": ref.namespace},
+        "involvedObject": {
+            "apiVersion": API_VERSION, "kind": KIND, "name": ref.name, "namespace": ref.namespace, "uid": ref.uid,
+        },
+        "type": type_,
+        "reason": reason,
+        "message": message[:EVENT_MESSAGE_LIMIT],
+        "source": {"component": MANAGER},
+        "reportingComponent": MANAGER,
+        "firstTimestamp": now,
+        "lastTimestamp": now,
+        "count": 1,
+    }
     try:
-        try:
-            pool = validate(spec, ref.name)
-            token = await _admin_token(kube, ref.names) or secrets.token_urlsafe(TOKEN_BYTES)
-            desired = render(pool, ref, token, rt.settings.cluster_domain)
-        except (InvalidPool, ValueError) as exc:
-            await _report_invalid(rt, ref, status, str(exc))
-            raise kopf.PermanentError(f"invalid RolloutPool: {exc}") from None
-        try:
-            for obj in desired.objects():
-                action = await apply_object(kube, obj, ref.uid)
-                logger.debug("%s %s: %s", obj["kind"], obj["metadata"]["name"], action.value)
-        except NotOwned as exc:
-            await _report_invalid(rt, ref, status, str(exc))
-            raise kopf.PermanentError(str(exc)) from None
-        push_error = None
-        if pool.router.replicas:
-            push_error = await push_config(rt, ref, pool.router.port, token, desired.router_config)
-        obs, view = await observe(rt, ref, pool)
-        await rt.write_status(ref, build_status(rt, status, ref, pool, obs, view, push_error))
+        await rt.kube_client().create_event(ref.namespace, event)
     except KubeError as exc:
-        raise kopf.TemporaryError(str(exc), delay=KUBE_RETRY_DELAY_S) from None
+        log.warning("event %s on %s/%s not posted: %s", reason, ref.namespace, ref.name, exc)
 
 
-async def status_tick(
-    rt: Runtime, *, spec: Any, meta: Any, status: Any, name: str, namespace: str,
+async def report_stall(
+    rt: Runtime, mem: PoolMemory, ref: PoolRef, stall: Stall, backoff: Callable[[int], float]
 ) -> None:
-    ref = PoolRef(name, namespace, str(meta["uid"]), _generation(meta))
-    if rt.stopping or status.get("observedGeneration") != ref.generation:
-        return  # a reconcile of this generation has not reported yet (or failed): it reports first
+    """Record and show a Stalled generation; it is tried again after ``backoff(attempts)`` seconds."""
+    prev = mem.stall if mem.stall is not None and mem.stall.generation == ref.generation else None
+    attempts = prev.attempts + 1 if prev is not None and prev.stall.reason == stall.reason else 1
+    retry_at = asyncio.get_running_loop().time() + backoff(attempts)
+    mem.stall = StallState(ref.generation, stall, retry_at, attempts)
+    await write_status(rt, mem, ref, {"observedGeneration": ref.generation, "conditions": stalled_conditions(stall)})
+
+
+def refused_backoff_s(settings: OperatorSettings, attempts: int) -> float:
+    """Wait before trying a refused generation again: doubling from the initial delay, capped."""
+    return float(min(settings.stalled_backoff_max_s, settings.stalled_backoff_initial_s * 2 ** max(0, attempts - 1)))
+
+
+# ---- the pass ----------------------------------------------------------------------------
+
+
+async def converge(rt: Runtime, mem: PoolMemory) -> None:
+    body = mem.body
+    meta = body.get("metadata") or {}
+    if meta.get("deletionTimestamp"):
+        return  # the garbage collector takes the children; nothing to write
+    ref = _ref(body)
+    if mem.stall is not None and mem.stall.generation != ref.generation:
+        mem.stall = None  # a new generation: try it at once
+    if mem.stall is not None and asyncio.get_running_loop().time() < mem.stall.retry_at:
+        return  # the status says Stalled; the backoff of this generation has not passed
     try:
-        pool = validate(spec, name)
-    except InvalidPool:
-        return  # conditions already say InvalidSpec; nothing to observe
-    async with rt.lock(ref.uid):
-        if rt.reconciled.get(ref.uid, ref.generation) > ref.generation:
-            return  # this body is older than what a reconcile already reported
-        try:
-            obs, view = await observe(rt, ref, pool)
-            push_error = None
-            if obs.router is not None and obs.router.generation < ref.generation:
-                token = await _admin_token(rt.kube_client(), ref.names)
-                if token:
-                    config = build_router_config(pool, ref, rt.settings.cluster_domain)
-                    push_error = await push_config(rt, ref, pool.router.port, token, config)
-                    if push_error is None:
-                        obs, view = await observe(rt, ref, pool)
-            await rt.write_status(ref, build_status(rt, status, ref, pool, obs, view, push_error))
-        except KubeError as exc:
-            raise kopf.TemporaryError(str(exc), delay=KUBE_RETRY_DELAY_S) from None
+        await _drop_retired_finalizer(rt, ref, meta)
+        await _converge(rt, mem, ref, body.get("spec") or {})
+    except NameConflict as exc:
+        # Checked again on every tick: the foreign object's removal announces itself nowhere.
+        await report_stall(rt, mem, ref, Stall(exc.reason, exc.message), lambda _: 0.0)
+    except ChildProblem as exc:
+        await report_stall(
+            rt, mem, ref, Stall(exc.reason, exc.message), lambda n: refused_backoff_s(rt.settings, n)
+        )
+    except KubeError as exc:
+        log.warning("pool %s/%s: %s; retrying in %g s", ref.namespace, ref.name, exc, rt.settings.retry_delay_s)
+        rt.retry_later(ref.uid, rt.settings.retry_delay_s)
+
+
+async def _drop_retired_finalizer(rt: Runtime, ref: PoolRef, meta: Mapping[str, Any]) -> None:
+    finalizers = list(meta.get("finalizers") or ())
+    if RETIRED_FINALIZER not in finalizers:
+        return
+    i = finalizers.index(RETIRED_FINALIZER)
+    path = f"/metadata/finalizers/{i}"
+    ops = [{"op": "test", "path": path, "value": RETIRED_FINALIZER}, {"op": "remove", "path": path}]
+    await rt.kube_client().json_patch_pool(ref.namespace, ref.name, ops)
+
+
+async def _converge(rt: Runtime, mem: PoolMemory, ref: PoolRef, spec: Any) -> None:
+    kube = rt.kube_client()
+    names = ref.names
+    try:
+        pool = validate(spec, ref.name)
+        token = await _admin_token(kube, names) or secrets.token_urlsafe(TOKEN_BYTES)
+        desired = render(pool, ref, token, rt.settings.cluster_domain)
+    except (InvalidPool, ValueError) as exc:
+        # Deterministic: the same spec fails the same way, so this generation is not tried again.
+        await report_stall(rt, mem, ref, Stall(INVALID_SPEC, str(exc)), lambda _: math.inf)
+        return
+
+    # -- what the rollout order needs: the engine Deployment, the ConfigMap, the router -------------
+    engines_now = await kube.get("apps/v1", "Deployment", ref.namespace, names.engines)
+    config_map_now = await kube.get("v1", "ConfigMap", ref.namespace, names.router_config)
+    before, _ = await router_status(rt, ref, pool)
+    current_replicas = int((engines_now.get("spec") or {}).get("replicas", 1)) if engines_now else None
+    live_replicas = int((engines_now.get("status") or {}).get("replicas") or 0) if engines_now else None
+    plan = plan_scale(
+        pool.engines.replicas, current_replicas, engine_rows(before), mem.drain, time.time(),
+        rt.settings.drain_timeout_s, live_replicas,
+    )
+    port = routed_port(pool.engines.port, config_engine_port(config_map_now, CONFIG_KEY), engines_now)
+    recreate = needs_recreate(engines_now, pool.model.name, pool.model.served)
+    config = _routed_config(desired.router_config, port, plan.draining)
+
+    # -- apply, in order ----------------------------------------------------------------------------
+    if plan.release:
+        await _mark_departing(rt, ref, pool, plan.release)
+    for obj in desired.objects():
+        if obj is desired.config_map:
+            obj = build_config_map(ref, config)
+        elif obj is desired.engine_deployment:
+            obj = with_rollout_order(
+                obj, model=pool.model.name, served=pool.model.served, recreate=recreate, replicas=plan.replicas
+            )
+        action = await apply_object(kube, obj, ref.uid)
+        log.debug("%s %s: %s", obj["kind"], obj["metadata"]["name"], action.value)
+    if mem.stall is not None:
+        mem.stall = None  # everything applied: whatever stalled this generation is gone
+
+    # -- the router: push when it runs another config ---------------------------------------------
+    push_error = None
+    pushed = False
+    if pool.router.replicas and (before is None or before.config_hash != config.config_hash()):
+        push_error = await push_config(rt, ref, pool.router.port, token, config)
+        pushed = push_error is None
+
+    await _finish_drain(rt, mem, ref, plan)
+    obs, view = await observe(rt, ref, pool)
+    pending = _pending(pool, port, recreate, plan, mem.drain)
+    conds = pool_conditions(obs, pending)
+    drain = drain_to_status(mem.drain, plan.sessions_left) if mem.drain else None
+    await write_status(rt, mem, ref, build_status(rt, ref, pool, obs, view, push_error, conds, drain))
+    if pushed and plan.drain is not None and not plan.release:
+        mem.dirty = True  # the router took the drain list: the next pass can see it acknowledged
+
+
+def _routed_config(config: RouterConfig, port: int, draining: tuple[str, ...]) -> RouterConfig:
+    """The rendered router config with this pass's engine port and draining engines."""
+    engines = config.engines
+    update: dict[str, Any] = {"draining": draining}
+    if engines.service is not None and engines.service.port != port:
+        update["service"] = engines.service.model_copy(update={"port": port})
+    return config.model_copy(update={"engines": engines.model_copy(update=update)})
+
+
+def _pending(
+    pool: RolloutPoolSpec, port: int, recreate: bool, plan: ScalePlan, drain: Drain | None
+) -> list[Pending]:
+    out = []
+    if port != pool.engines.port:
+        out.append(Pending(
+            "EnginePortSwitch",
+            f"engines rolling to port {pool.engines.port}; the router stays on {port} until every engine runs it",
+        ))
+    if recreate:
+        out.append(Pending(
+            "ModelSwitch",
+            f"model {pool.model.name} replaces the previous one under {pool.model.served!r}: old engines stop "
+            "before new ones start (Recreate), so two models never answer as one",
+        ))
+    if drain is not None:
+        out.append(Pending(
+            "DrainingEngines",
+            f"scale-down {drain.from_replicas} -> {drain.to_replicas}: {len(drain.engines)} engines take no new "
+            f"sessions, {plan.sessions_left} sessions left, deadline {drain_to_status(drain, 0)['deadline']}",
+            blocks_ready=False,
+        ))
+    return out
+
+
+async def _mark_departing(rt: Runtime, ref: PoolRef, pool: RolloutPoolSpec, engines: tuple[str, ...]) -> None:
+    """Give the drained engines' pods the lowest deletion cost, just before the Deployment shrinks."""
+    kube = rt.kube_client()
+    pods = await kube.list_labelled("v1", "Pod", ref.namespace, ref.names.selector(ENGINE_COMPONENT))
+    for name in pods_of_engines(pods, engines, pool.engines.port):
+        patch = {"metadata": {"annotations": {DELETION_COST_ANNOTATION: DRAINED_DELETION_COST}}}
+        await kube.patch("v1", "Pod", ref.namespace, name, patch)
+
+
+async def _finish_drain(rt: Runtime, mem: PoolMemory, ref: PoolRef, plan: ScalePlan) -> None:
+    """Record the drain of this pass; when one ends, clear the deletion cost of pods that stayed."""
+    ended = mem.drain is not None and plan.drain is None
+    started = plan.drain is not None and plan.drain != mem.drain
+    previous, mem.drain = mem.drain, plan.drain
+    if started and plan.drain is not None:
+        await post_event(rt, ref, "Normal", "DrainingEngines",
+                         f"scale-down {plan.drain.from_replicas} -> {plan.drain.to_replicas}: "
+                         f"{', '.join(plan.drain.engines)} take no new sessions")
+    if plan.cut_sessions:
+        await post_event(rt, ref, "Warning", "SessionsCut", plan.note)
+    elif plan.note:
+        await post_event(rt, ref, "Warning", "ScaledDownWithoutDrain", plan.note)
+    if ended and previous is not None:
+        kube = rt.kube_client()
+        pods = await kube.list_labelled("v1", "Pod", ref.namespace, ref.names.selector(ENGINE_COMPONENT))
+        for pod in pods:
+            annotations = (pod.get("metadata") or {}).get("annotations") or {}
+            if annotations.get(DELETION_COST_ANNOTATION) == DRAINED_DELETION_COST:
+                patch = {"metadata": {"annotations": {DELETION_COST_ANNOTATION: None}}}
+                await kube.patch("v1", "Pod", ref.namespace, pod["metadata"]["name"], patch)
+        await post_event(rt, ref, "Normal", "ScaledDown", f"engines at {previous.to_replicas}")
+
+
+# ---- kopf wiring -------------------------------------------------------------------------
+
+
+def _controller_pool(body: Mapping[str, Any]) -> str | None:
+    """uid of the RolloutPool controlling a child, from its owner references."""
+    for owner in (body.get("metadata") or {}).get("ownerReferences") or ():
+        if owner.get("controller") and owner.get("kind") == KIND and str(owner.get("apiVersion", "")).startswith(GROUP):
+            return str(owner.get("uid"))
+    return None
+
+
+async def _resync_forever(rt: Runtime) -> None:
+    while not rt.stopping:
+        await asyncio.sleep(rt.settings.status_interval_s)
+        for uid in list(rt.pools):
+            rt.trigger(uid)
 
 
 def register(registry: kopf.OperatorRegistry, settings: OperatorSettings) -> Runtime:
@@ -272,42 +557,44 @@ def register(registry: kopf.OperatorRegistry, settings: OperatorSettings) -> Run
 
     @kopf.on.startup(registry=registry)
     async def _startup(settings: kopf.OperatorSettings, **_: Any) -> None:
+        settings.persistence.finalizer = FINALIZER
         settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=ANNOTATION_PREFIX)
         settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
             prefix=ANNOTATION_PREFIX, key="last-handled-configuration"
         )
         settings.posting.enabled = rt.settings.post_events
         rt.kube = KubeClient(kube_credentials(rt.settings))
-
-    @kopf.on.delete(*resource, registry=registry, id="forget", optional=True)
-    async def _forget(meta: Any, **_: Any) -> None:
-        """Drop per-pool memory; the children go with the pool (owner references, GC)."""
-        uid = str(meta.get("uid"))
-        rt.locks.pop(uid, None)
-        rt.reconciled.pop(uid, None)
-        rt.conditions.pop(uid, None)
+        rt.resync = asyncio.create_task(_resync_forever(rt), name="misat resync")
 
     @kopf.on.cleanup(registry=registry)
     async def _cleanup(**_: Any) -> None:
         rt.stopping = True
+        tasks = [t for t in [rt.resync, *(m.task for m in rt.pools.values())] if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         if rt.kube is not None:
             await rt.kube.close()
         await rt.router.close()
 
-    async def _reconcile(**kwargs: Any) -> None:
-        await reconcile(
-            rt, spec=kwargs["spec"], meta=kwargs["meta"], status=kwargs["status"], name=kwargs["name"],
-            namespace=kwargs["namespace"], logger=kwargs["logger"],
-        )
+    @kopf.on.event(*resource, registry=registry, id="pool")
+    async def _pool(event: Mapping[str, Any], body: Mapping[str, Any], **_: Any) -> None:
+        uid = str((body.get("metadata") or {}).get("uid"))
+        if event.get("type") == "DELETED":
+            rt.forget(uid)
+            return
+        if rt.see(body):
+            rt.trigger(uid)
 
-    for cause, decorator in (("create", kopf.on.create), ("update", kopf.on.update), ("resume", kopf.on.resume)):
-        decorator(*resource, registry=registry, id=f"reconcile-{cause}")(_reconcile)
+    async def _child(body: Mapping[str, Any], **_: Any) -> None:
+        uid = _controller_pool(body)
+        if uid is not None:
+            rt.trigger(uid)
 
-    @kopf.timer(*resource, registry=registry, id="status", interval=settings.status_interval_s)
-    async def _status(**kwargs: Any) -> None:
-        await status_tick(
-            rt, spec=kwargs["spec"], meta=kwargs["meta"], status=kwargs["status"], name=kwargs["name"],
-            namespace=kwargs["namespace"],
-        )
+    for group, version, plural in CHILD_RESOURCES:
+        kopf.on.event(
+            group=group, version=version, plural=plural, registry=registry, id=f"child-{plural}",
+            labels={POOL_LABEL: kopf.PRESENT},
+        )(_child)
 
     return rt

@@ -3,9 +3,10 @@
 Why not the ``kubernetes`` package's client: it is synchronous (a thread per
 call inside kopf's event loop) and deserialises into typed models, which
 refuse objects the operator only needs to compare as dicts. The operator needs
-five calls (get, create, merge-patch, on a handful of kinds), so it speaks the
-REST API directly. Credentials: in-cluster service account (token re-read on
-every request, so projected-token rotation works), or a kubeconfig through the
+a handful of calls (get, create, merge-patch of its children, a labelled list
+of engine pods, Events, the pool's status), so it speaks the REST API
+directly. Credentials: in-cluster service account (token re-read on every
+request, so projected-token rotation works), or a kubeconfig through the
 ``kubernetes`` package's loader, or an explicit server URL (tests).
 """
 
@@ -17,6 +18,7 @@ import ssl
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import aiohttp
 
@@ -24,14 +26,21 @@ from .names import API_VERSION, PLURAL
 
 SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 MERGE_PATCH = "application/merge-patch+json"
+JSON_PATCH = "application/json-patch+json"
+TRANSIENT_STATUSES = frozenset({404, 408, 409, 429})
+"""4xx answers that are races or load, not refusals: not found (deleted meanwhile), timeout,
+conflict (resourceVersion, or created meanwhile), too many requests. Retried soon."""
 
 _PATHS = {
     ("v1", "Secret"): "secrets",
     ("v1", "ConfigMap"): "configmaps",
     ("v1", "Service"): "services",
     ("apps/v1", "Deployment"): "deployments",
+    ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
+    ("v1", "Pod"): "pods",
 }
-"""The child kinds (get/create/patch); the pool itself is only ever patched on /status."""
+"""The child kinds (get/create/patch), and engine pods (list, annotate before a scale-down).
+The pool itself is patched on /status, and on its metadata only to drop a retired finalizer."""
 
 
 class KubeError(Exception):
@@ -42,6 +51,12 @@ class KubeError(Exception):
         self.status = status
         self.reason = reason
         self.message = message
+
+    @property
+    def refused(self) -> bool:
+        """The API server refused the request itself (invalid, forbidden, too large, ...): sending it
+        again unchanged gets the same answer, so the pool is Stalled rather than retried at once."""
+        return 400 <= self.status < 500 and self.status not in TRANSIENT_STATUSES
 
 
 def object_path(api_version: str, kind: str, namespace: str, name: str | None = None) -> str:
@@ -160,6 +175,28 @@ class KubeClient:
     ) -> dict[str, Any]:
         path = object_path(api_version, kind, namespace, name)
         return await self._call("PATCH", path, patch, MERGE_PATCH)
+
+    async def list_labelled(
+        self, api_version: str, kind: str, namespace: str, labels: dict[str, str]
+    ) -> list[dict[str, Any]]:
+        """Objects of a kind in a namespace with all of ``labels`` (also filtered here, so a server
+        that ignores the selector cannot hand back someone else's objects)."""
+        selector = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
+        path = object_path(api_version, kind, namespace) + "?labelSelector=" + quote(selector)
+        items = (await self._call("GET", path)).get("items") or []
+        return [
+            item for item in items
+            if isinstance(item, dict)
+            and all(((item.get("metadata") or {}).get("labels") or {}).get(k) == v for k, v in labels.items())
+        ]
+
+    async def create_event(self, namespace: str, event: dict[str, Any]) -> dict[str, Any]:
+        return await self._call("POST", f"/api/v1/namespaces/{namespace}/events", event)
+
+    async def json_patch_pool(self, namespace: str, name: str, ops: list[dict[str, Any]]) -> dict[str, Any]:
+        """A JSON patch of a RolloutPool's metadata (with ``test`` ops, so it never races a writer)."""
+        path = f"/apis/{API_VERSION}/namespaces/{namespace}/{PLURAL}/{name}"
+        return await self._call("PATCH", path, ops, JSON_PATCH)
 
     async def patch_pool_status(self, namespace: str, name: str, status: dict[str, Any]) -> dict[str, Any]:
         """Merge-patch a RolloutPool's status subresource (the operator's only write to a pool)."""

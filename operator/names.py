@@ -29,9 +29,19 @@ TOKEN_KEY = "token"
 CONFIG_DIR = "/etc/misat/config"
 ADMIN_DIR = "/etc/misat/admin"
 
+RESERVED_LABEL_KEYS = (
+    "app.kubernetes.io/name", "app.kubernetes.io/instance", COMPONENT_LABEL, "app.kubernetes.io/managed-by",
+    POOL_LABEL,
+)
+"""Labels the operator sets on every child and pod; selectors depend on them, so a pool cannot."""
+
 MAX_POOL_NAME = 40
 """Longest pool name: the longest suffix ('-router-config', 14) keeps child names within 63
 characters, and Service names (DNS labels) within 63 too."""
+
+
+def service_dns(name: str, namespace: str, cluster_domain: str = "cluster.local") -> str:
+    return f"{name}.{namespace}.svc.{cluster_domain}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,9 +69,18 @@ class PoolNames:
     def admin_secret(self) -> str:
         return f"{self.pool}-router-admin"
 
+    def children(self) -> list[tuple[str, str]]:
+        """(kind, name) of every child a pool may own; the pool name must fit each kind's rules."""
+        return [
+            ("Secret", self.admin_secret), ("ConfigMap", self.router_config),
+            ("Service", self.engines), ("Service", self.router),
+            ("Deployment", self.engines), ("Deployment", self.router),
+            ("PodDisruptionBudget", self.engines),
+        ]
+
     def engines_dns(self, cluster_domain: str = "cluster.local") -> str:
         """DNS name of the headless engine Service: one A record per ready engine pod."""
-        return f"{self.engines}.{self.namespace}.svc.{cluster_domain}"
+        return service_dns(self.engines, self.namespace, cluster_domain)
 
     def router_url(self, port: int, cluster_domain: str = "cluster.local") -> str:
         """In-cluster base URL of the router Service (the operator's hot-reload target)."""

@@ -3,7 +3,8 @@
 No I/O here: every ``build_*`` takes the spec and the pool's identity and
 returns a plain dict, so the golden tests pin the exact objects and the
 handlers only compare and apply. ``render`` builds everything or raises, so
-an invalid pool is never half applied.
+an invalid pool is never half applied; its last check is the size of each
+object's annotations with the last-applied record the apply step adds.
 
 Restart rules, by construction:
 - engine settings are all in the engine Deployment's pod template, so any
@@ -14,11 +15,20 @@ Restart rules, by construction:
   so kubelet's atomic swap reaches the router's file watcher) and are pushed
   to ``PUT /admin/config``. There is deliberately no config-hash annotation
   on the router pod template.
+
+Pods (docs/operator.md, "Engine and router pods"): the restricted Pod
+Security profile (non-root, no privilege escalation, no capabilities,
+seccomp RuntimeDefault, no service-account token), probes with timeouts and
+a startup budget, a preStop sleep then a drain within a derived grace
+period. Engines get a model cache (HF_HOME), a sized /dev/shm, a
+PodDisruptionBudget, and run ``vllm serve <model>`` listening on ``::``.
+With ``spec.engines.external`` no engine object is rendered at all.
 """
 
 from __future__ import annotations
 
 import base64
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +37,27 @@ import yaml
 from misat_router.config import EnginesConfig, RouterConfig, ServiceRef
 from misat_router.policy.settings import ClassSpec, WorkloadMix
 
-from .models import ROUTER_DEFAULT_LIMITS, EnginesSpec, ResourceRequirements, RolloutPoolSpec, RouterSpec
+from . import kube_validation as kv
+from .diff import with_last_applied
+from .models import (
+    DEFAULT_SHM_SIZE,
+    ENGINE_UID,
+    GPU_RESOURCE,
+    ROUTER_DEFAULT_LIMITS,
+    ROUTER_UID,
+    EnginesSpec,
+    PodSettings,
+    ResourceRequirements,
+    RolloutPoolSpec,
+    RouterSpec,
+    drain_seconds,
+    engine_grace_period,
+    max_unavailable,
+    pre_stop_sleep,
+    probe_timeout,
+    router_hold_deadline,
+    startup_failures,
+)
 from .names import (
     ADMIN_DIR,
     API_VERSION,
@@ -38,17 +68,26 @@ from .names import (
     ROUTER_PORT_NAME,
     TOKEN_KEY,
     PoolNames,
+    service_dns,
 )
 
-GPU_RESOURCE = "nvidia.com/gpu"
 ENGINE_COMPONENT = "engine"
 ROUTER_COMPONENT = "router"
-ROUTER_UID = 65532
-"""Router runs as this non-root uid/gid (distroless 'nonroot'); the admin Secret is group-readable."""
 ENGINE_STARTUP_PERIOD_S = 10
-ENGINE_STARTUP_FAILURES = 180
-"""30 minutes to load weights and capture graphs before the kubelet gives up on an engine."""
+"""startupProbe period; its failureThreshold is spec.engines.probes.startupBudgetSeconds / this."""
+ENGINE_READINESS_PERIOD_S, ENGINE_READINESS_FAILURES = 5, 3
+ENGINE_LIVENESS_PERIOD_S, ENGINE_LIVENESS_FAILURES = 10, 6
+"""A started engine is restarted after a minute of failed /health checks, not one slow answer."""
+ROUTER_READINESS_PERIOD_S, ROUTER_READINESS_FAILURES = 5, 3
+ROUTER_LIVENESS_PERIOD_S, ROUTER_LIVENESS_FAILURES = 10, 3
+ROUTER_EXIT_MARGIN_S = 10
+"""Grace beyond the router's own drain (RouterConfig.drain_timeout_s and aiohttp's shutdown)."""
+ROUTER_LISTEN_ADDRESS = ""
+"""`misat router --host ''`: every address of both families (asyncio binds 0.0.0.0 and ::)."""
 DSHM_VOLUME = "dshm"
+CACHE_VOLUME = "model-cache"
+MODEL_VOLUME = "model"
+POD_SECURITY_PROFILE = "restricted"
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,21 +106,24 @@ class PoolRef:
 
 @dataclass(frozen=True, slots=True)
 class Desired:
-    """Everything one pool owns, in apply order (config before the pods that read it)."""
+    """Everything one pool owns, in apply order (config before the pods that read it). The engine
+    objects are None for a pool of external engines."""
 
     secret: dict[str, Any]
     config_map: dict[str, Any]
-    engine_service: dict[str, Any]
+    engine_service: dict[str, Any] | None
     router_service: dict[str, Any]
-    engine_deployment: dict[str, Any]
+    engine_deployment: dict[str, Any] | None
     router_deployment: dict[str, Any]
     router_config: RouterConfig
+    engine_disruption_budget: dict[str, Any] | None = None
 
     def objects(self) -> list[dict[str, Any]]:
-        return [
+        ordered = [
             self.secret, self.config_map, self.engine_service, self.router_service,
-            self.engine_deployment, self.router_deployment,
+            self.engine_deployment, self.router_deployment, self.engine_disruption_budget,
         ]
+        return [o for o in ordered if o is not None]
 
 
 def owner_reference(ref: PoolRef) -> dict[str, Any]:
@@ -118,16 +160,94 @@ def _resources(res: ResourceRequirements | None, gpus: int = 0) -> dict[str, Any
     return out
 
 
-def _scheduling(node_selector: dict[str, str], tolerations: list[Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    if node_selector:
-        out["nodeSelector"] = dict(node_selector)
-    if tolerations:
-        out["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in tolerations]
+def _pod_fields(pod: PodSettings, ref: PoolRef, component: str) -> dict[str, Any]:
+    """Pod-level fields shared by engines and router: identity, scheduling, the token."""
+    out: dict[str, Any] = {"automountServiceAccountToken": pod.automount_service_account_token}
+    if pod.image_pull_secrets:
+        out["imagePullSecrets"] = [s.to_kube() for s in pod.image_pull_secrets]
+    for key, value in (
+        ("serviceAccountName", pod.service_account_name),
+        ("runtimeClassName", pod.runtime_class_name),
+        ("priorityClassName", pod.priority_class_name),
+    ):
+        if value is not None:
+            out[key] = value
+    if pod.node_selector:
+        out["nodeSelector"] = dict(pod.node_selector)
+    if pod.tolerations:
+        out["tolerations"] = [t.to_kube() for t in pod.tolerations]
+    if pod.affinity is not None:
+        out["affinity"] = pod.affinity.to_kube()
+    if pod.topology_spread_constraints:
+        own = {"matchLabels": ref.names.selector(component)}
+        out["topologySpreadConstraints"] = [
+            {**c.to_kube(), "labelSelector": c.label_selector.to_kube() if c.label_selector else own}
+            for c in pod.topology_spread_constraints
+        ]
     return out
 
 
+def _pod_security(pod: PodSettings, default_uid: int) -> dict[str, Any]:
+    """The restricted Pod Security profile's pod half; ``_container_security`` is the other."""
+    uid = pod.security_context.run_as_user or default_uid
+    gid = pod.security_context.run_as_group or uid
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": uid,
+        "runAsGroup": gid,
+        "fsGroup": pod.security_context.fs_group or gid,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def _container_security(read_only_root: bool) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "runAsNonRoot": True,
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"]},
+    }
+    if read_only_root:
+        out["readOnlyRootFilesystem"] = True
+    return out
+
+
+def _template_metadata(pod: PodSettings, ref: PoolRef, component: str) -> dict[str, Any]:
+    meta: dict[str, Any] = {"labels": {**pod.pod_labels, **ref.names.labels(component)}}
+    if pod.pod_annotations:
+        meta["annotations"] = dict(pod.pod_annotations)
+    return meta
+
+
+def _http_probe(path: str, port: str, period: int, failures: int, timeout: int) -> dict[str, Any]:
+    return {
+        "httpGet": {"path": path, "port": port},
+        "periodSeconds": period,
+        "failureThreshold": failures,
+        "timeoutSeconds": timeout,
+    }
+
+
+def _pre_stop(seconds: int) -> dict[str, Any]:
+    """Sleep before SIGTERM, so the Service and the router stop sending first (Kubernetes 1.30+)."""
+    return {"preStop": {"sleep": {"seconds": seconds}}} if seconds else {}
+
+
 # ---- router config ---------------------------------------------------------
+
+
+def engines_config(spec: RolloutPoolSpec, ref: PoolRef, cluster_domain: str = "cluster.local") -> EnginesConfig:
+    """Where the router finds the engines: the pool's headless Service, or the external ones."""
+    external = spec.engines.external
+    if external is None:
+        return EnginesConfig(
+            service=ServiceRef(name=ref.names.engines_dns(cluster_domain), port=spec.engines.port)
+        )
+    if external.urls is not None:
+        return EnginesConfig(urls=tuple(external.urls))
+    svc = external.service
+    assert svc is not None  # ExternalEngines holds exactly one of the two
+    name = service_dns(svc.name, svc.namespace or ref.namespace, cluster_domain)
+    return EnginesConfig(service=ServiceRef(name=name, port=svc.port, scheme=svc.scheme))
 
 
 def build_router_config(
@@ -148,12 +268,10 @@ def build_router_config(
     return RouterConfig(
         generation=ref.generation,
         model=spec.model.served,
-        engines=EnginesConfig(
-            service=ServiceRef(name=ref.names.engines_dns(cluster_domain), port=spec.engines.port)
-        ),
+        engines=engines_config(spec, ref, cluster_domain),
         workloads=WorkloadMix(classes=classes, default_class=spec.default_class),
         policy=spec.admission.model_copy(update={"kv_budget_fraction": spec.kv_budget.fraction}),
-        hold_deadline_s=spec.router.hold_deadline_seconds,
+        hold_deadline_s=router_hold_deadline(spec.router),
     )
 
 
@@ -194,18 +312,23 @@ def token_from_secret(secret: dict[str, Any]) -> str | None:
 
 # ---- engines ---------------------------------------------------------------
 
+ENGINE_COMMAND = ["vllm"]
+"""`vllm serve <model> ...`: the supported entry point (the api_server module is internal)."""
+
 
 def engine_args(spec: RolloutPoolSpec) -> list[str]:
-    """vLLM OpenAI server arguments from the typed fields, then extraArgs verbatim."""
+    """`vllm serve` arguments: the model, the flags of the typed fields, then extraArgs verbatim
+    (``engine_args.check`` refused any that would repeat or undo a typed flag)."""
     e = spec.engines
     args = [
-        "--model", spec.model.name,
+        "serve", spec.model.name,
         "--served-model-name", spec.model.served,
-        "--host", "0.0.0.0",
+        "--host", e.listen_address,
         "--port", str(e.port),
         "--tensor-parallel-size", str(e.tensor_parallel_size),
-        "--gpu-memory-utilization", f"{e.gpu_memory_utilization:g}",
     ]
+    if e.gpu_memory_utilization is not None:
+        args += ["--gpu-memory-utilization", f"{e.gpu_memory_utilization:g}"]
     if e.max_model_len is not None:
         args += ["--max-model-len", str(e.max_model_len)]
     args.append("--enable-prefix-caching" if e.enable_prefix_caching else "--no-enable-prefix-caching")
@@ -213,31 +336,46 @@ def engine_args(spec: RolloutPoolSpec) -> list[str]:
         args += ["--max-num-seqs", str(e.max_num_seqs)]
     if e.max_num_batched_tokens is not None:
         args += ["--max-num-batched-tokens", str(e.max_num_batched_tokens)]
+    # Running generations finish after SIGTERM (vLLM's drain mode) within the grace period.
+    args += ["--shutdown-timeout", str(drain_seconds(e))]
     # The router reads prompt_tokens_details.cached_tokens for per-request hit accounting.
     args.append("--enable-prompt-tokens-details")
     return args + list(e.extra_args)
 
 
-def _http_probe(path: str, port: str, period: int, failures: int) -> dict[str, Any]:
-    return {
-        "httpGet": {"path": path, "port": port},
-        "periodSeconds": period,
-        "failureThreshold": failures,
-    }
+def engine_env(e: EnginesSpec) -> list[dict[str, Any]]:
+    """Cache locations first (weights, compiled graphs and every ~/.cache land on the cache volume,
+    not in the container's writable layer), then the pool's own variables."""
+    root = e.model_cache.mount_path.rstrip("/")
+    cache = [
+        {"name": "HOME", "value": f"{root}/home"},
+        {"name": "HF_HOME", "value": f"{root}/huggingface"},
+        {"name": "VLLM_CACHE_ROOT", "value": f"{root}/vllm"},
+        {"name": "XDG_CACHE_HOME", "value": root},
+    ]
+    return cache + [v.to_kube() for v in e.env]
 
 
 def _engine_volumes(e: EnginesSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    volumes: list[dict[str, Any]] = []
-    mounts: list[dict[str, Any]] = []
+    cache = e.model_cache
+    if cache.claim_name is not None:
+        cache_source: dict[str, Any] = {"persistentVolumeClaim": {"claimName": cache.claim_name}}
+    else:
+        cache_source = {"emptyDir": {"sizeLimit": cache.effective_size_limit}}
+    volumes: list[dict[str, Any]] = [
+        {"name": CACHE_VOLUME, **cache_source},
+        # NCCL and vLLM's worker broadcast need more shared memory than the runtime's 64 MiB.
+        {"name": DSHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": e.shm_size or DEFAULT_SHM_SIZE}},
+    ]
+    mounts: list[dict[str, Any]] = [
+        {"name": CACHE_VOLUME, "mountPath": cache.mount_path},
+        {"name": DSHM_VOLUME, "mountPath": "/dev/shm"},
+    ]
     if e.model_volume is not None:
-        volumes.append({"name": "model", **e.model_volume.source})
+        volumes.append({"name": MODEL_VOLUME, **e.model_volume.source})
         mounts.append(
-            {"name": "model", "mountPath": e.model_volume.mount_path, "readOnly": e.model_volume.read_only}
+            {"name": MODEL_VOLUME, "mountPath": e.model_volume.mount_path, "readOnly": e.model_volume.read_only}
         )
-    if e.tensor_parallel_size > 1:
-        # NCCL between tensor-parallel workers needs more shared memory than the 64 MiB default.
-        volumes.append({"name": DSHM_VOLUME, "emptyDir": {"medium": "Memory"}})
-        mounts.append({"name": DSHM_VOLUME, "mountPath": "/dev/shm"})
     return volumes, mounts
 
 
@@ -245,29 +383,42 @@ def build_engine_deployment(spec: RolloutPoolSpec, ref: PoolRef) -> dict[str, An
     e = spec.engines
     names = ref.names
     volumes, mounts = _engine_volumes(e)
+    timeout = probe_timeout(e)
     container: dict[str, Any] = {
         "name": "vllm",
         "image": e.image,
         "imagePullPolicy": e.image_pull_policy,
-        "command": ["python3", "-m", "vllm.entrypoints.openai.api_server"],
+        "command": list(ENGINE_COMMAND),
         "args": engine_args(spec),
+        "env": engine_env(e),
         "ports": [{"name": ENGINE_PORT_NAME, "containerPort": e.port, "protocol": "TCP"}],
         "startupProbe": _http_probe(
-            "/health", ENGINE_PORT_NAME, ENGINE_STARTUP_PERIOD_S, ENGINE_STARTUP_FAILURES
+            "/health", ENGINE_PORT_NAME, ENGINE_STARTUP_PERIOD_S, startup_failures(e, ENGINE_STARTUP_PERIOD_S),
+            timeout,
         ),
-        "readinessProbe": _http_probe("/health", ENGINE_PORT_NAME, 5, 3),
-        "livenessProbe": _http_probe("/health", ENGINE_PORT_NAME, 10, 6),
+        "readinessProbe": _http_probe(
+            "/health", ENGINE_PORT_NAME, ENGINE_READINESS_PERIOD_S, ENGINE_READINESS_FAILURES, timeout
+        ),
+        "livenessProbe": _http_probe(
+            "/health", ENGINE_PORT_NAME, ENGINE_LIVENESS_PERIOD_S, ENGINE_LIVENESS_FAILURES, timeout
+        ),
+        "lifecycle": _pre_stop(pre_stop_sleep(e)),
+        # vLLM writes outside its volumes (Triton, torch and compiler scratch): the root stays writable.
+        "securityContext": _container_security(read_only_root=False),
+        "volumeMounts": mounts,
     }
-    if e.env:
-        container["env"] = [v.model_dump(by_alias=True, exclude_none=True) for v in e.env]
+    if not container["lifecycle"]:
+        del container["lifecycle"]
     resources = _resources(e.resources, e.gpus_per_replica)
     if resources:
         container["resources"] = resources
-    if mounts:
-        container["volumeMounts"] = mounts
-    pod_spec: dict[str, Any] = {"containers": [container], **_scheduling(e.node_selector, e.tolerations)}
-    if volumes:
-        pod_spec["volumes"] = volumes
+    pod_spec: dict[str, Any] = {
+        **_pod_fields(e, ref, ENGINE_COMPONENT),
+        "securityContext": _pod_security(e, ENGINE_UID),
+        "terminationGracePeriodSeconds": engine_grace_period(e),
+        "containers": [container],
+        "volumes": volumes,
+    }
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -276,13 +427,15 @@ def build_engine_deployment(spec: RolloutPoolSpec, ref: PoolRef) -> dict[str, An
             "replicas": e.replicas,
             "selector": {"matchLabels": names.selector(ENGINE_COMPONENT)},
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}},
-            "template": {"metadata": {"labels": names.labels(ENGINE_COMPONENT)}, "spec": pod_spec},
+            "template": {"metadata": _template_metadata(e, ref, ENGINE_COMPONENT), "spec": pod_spec},
         },
     }
 
 
 def build_engine_service(spec: RolloutPoolSpec, ref: PoolRef) -> dict[str, Any]:
-    """Headless: the router resolves one address per ready engine pod and balances itself."""
+    """Headless: the router resolves one address per ready engine pod and balances itself. Single
+    stack on purpose (the cluster's primary family): a dual-stack headless Service would give the
+    router each engine twice, once per family."""
     return {
         "apiVersion": "v1",
         "kind": "Service",
@@ -298,6 +451,21 @@ def build_engine_service(spec: RolloutPoolSpec, ref: PoolRef) -> dict[str, Any]:
     }
 
 
+def build_engine_disruption_budget(spec: RolloutPoolSpec, ref: PoolRef) -> dict[str, Any]:
+    """Node drains and the cluster autoscaler evict at most maxUnavailable engines at once. An
+    engine that is not ready may always be evicted, so a crash-looping one never blocks a drain."""
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _metadata(ref, ref.names.engines, ENGINE_COMPONENT),
+        "spec": {
+            "maxUnavailable": max_unavailable(spec.engines),
+            "selector": {"matchLabels": ref.names.selector(ENGINE_COMPONENT)},
+            "unhealthyPodEvictionPolicy": "AlwaysAllow",
+        },
+    }
+
+
 # ---- router ----------------------------------------------------------------
 
 
@@ -306,15 +474,23 @@ def router_command(r: RouterSpec) -> list[str]:
         "misat", "router",
         "--config", f"{CONFIG_DIR}/{CONFIG_KEY}",
         "--admin-token-file", f"{ADMIN_DIR}/{TOKEN_KEY}",
+        "--host", ROUTER_LISTEN_ADDRESS,
         "--port", str(r.port),
     ]
     return [*args, "--log-json"] if r.log_json else args
+
+
+def router_grace_period(r: RouterSpec) -> int:
+    """preStop, then the router's own drain of in-flight requests (RouterConfig.drain_timeout_s)."""
+    drain = float(RouterConfig.model_fields["drain_timeout_s"].default)
+    return pre_stop_sleep(r) + int(drain) + ROUTER_EXIT_MARGIN_S
 
 
 def build_router_deployment(spec: RolloutPoolSpec, ref: PoolRef) -> dict[str, Any]:
     """Depends on spec.router and names only: config changes never touch this template."""
     r = spec.router
     names = ref.names
+    timeout = probe_timeout(r)
     container: dict[str, Any] = {
         "name": "router",
         "image": r.image,
@@ -323,38 +499,37 @@ def build_router_deployment(spec: RolloutPoolSpec, ref: PoolRef) -> dict[str, An
         "ports": [{"name": ROUTER_PORT_NAME, "containerPort": r.port, "protocol": "TCP"}],
         # /health, not /ready: the Service must reach the router (and its admin API) even
         # while no engine is healthy; /ready reports engine health in status instead.
-        "readinessProbe": _http_probe("/health", ROUTER_PORT_NAME, 5, 3),
-        "livenessProbe": _http_probe("/health", ROUTER_PORT_NAME, 10, 3),
-        "securityContext": {
-            "runAsNonRoot": True,
-            "readOnlyRootFilesystem": True,
-            "allowPrivilegeEscalation": False,
-            "capabilities": {"drop": ["ALL"]},
-        },
+        "readinessProbe": _http_probe(
+            "/health", ROUTER_PORT_NAME, ROUTER_READINESS_PERIOD_S, ROUTER_READINESS_FAILURES, timeout
+        ),
+        "livenessProbe": _http_probe(
+            "/health", ROUTER_PORT_NAME, ROUTER_LIVENESS_PERIOD_S, ROUTER_LIVENESS_FAILURES, timeout
+        ),
+        "lifecycle": _pre_stop(pre_stop_sleep(r)),
+        "securityContext": _container_security(read_only_root=True),
         "volumeMounts": [
             {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
             {"name": "admin", "mountPath": ADMIN_DIR, "readOnly": True},
             {"name": "tmp", "mountPath": "/tmp"},
         ],
     }
+    if not container["lifecycle"]:
+        del container["lifecycle"]
     resources = _resources(r.resources)
     # Every router container has limits: the pool's own, else the defaults, key by key.
     resources["limits"] = ROUTER_DEFAULT_LIMITS | resources.get("limits", {})
     container["resources"] = resources
     pod_spec: dict[str, Any] = {
-        # The router never calls the Kubernetes API: no service-account token in its pod.
-        "automountServiceAccountToken": False,
-        "securityContext": {
-            "runAsUser": ROUTER_UID, "runAsGroup": ROUTER_UID, "fsGroup": ROUTER_UID,
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
+        # The router never calls the Kubernetes API: no service-account token unless asked for.
+        **_pod_fields(r, ref, ROUTER_COMPONENT),
+        "securityContext": _pod_security(r, ROUTER_UID),
+        "terminationGracePeriodSeconds": router_grace_period(r),
         "containers": [container],
         "volumes": [
             {"name": "config", "configMap": {"name": names.router_config}},
             {"name": "admin", "secret": {"secretName": names.admin_secret, "defaultMode": 0o440}},
             {"name": "tmp", "emptyDir": {}},
         ],
-        **_scheduling(r.node_selector, r.tolerations),
     }
     return {
         "apiVersion": "apps/v1",
@@ -365,7 +540,7 @@ def build_router_deployment(spec: RolloutPoolSpec, ref: PoolRef) -> dict[str, An
             "selector": {"matchLabels": names.selector(ROUTER_COMPONENT)},
             # Never two routers at once: each would admit against the same engines.
             "strategy": {"type": "Recreate"},
-            "template": {"metadata": {"labels": names.labels(ROUTER_COMPONENT)}, "spec": pod_spec},
+            "template": {"metadata": _template_metadata(r, ref, ROUTER_COMPONENT), "spec": pod_spec},
         },
     }
 
@@ -386,15 +561,38 @@ def build_router_service(spec: RolloutPoolSpec, ref: PoolRef) -> dict[str, Any]:
     }
 
 
+# ---- the last check: what the apply step will write must fit -----------------------------
+
+
+def size_problem(obj: dict[str, Any]) -> str | None:
+    """Why ``obj`` with its last-applied record would be refused for its annotations' size, or None."""
+    annotations = with_last_applied(obj)["metadata"]["annotations"]
+    size = kv.annotations_size(annotations)
+    if size <= kv.TOTAL_ANNOTATION_BYTES:
+        return None
+    record = len(json.dumps(obj, separators=(",", ":")))
+    return (
+        f"{obj['kind']} {obj['metadata']['name']} would carry {size} bytes of annotations, above Kubernetes' "
+        f"{kv.TOTAL_ANNOTATION_BYTES} (its last-applied record alone is about {record}); shorten "
+        "spec.engines.extraArgs, spec.engines.env or the pod annotations"
+    )
+
+
 def render(spec: RolloutPoolSpec, ref: PoolRef, token: str, cluster_domain: str = "cluster.local") -> Desired:
     """Everything the pool owns, or an exception: nothing is applied from a partial render."""
     config = build_router_config(spec, ref, cluster_domain)
-    return Desired(
+    creates_engines = spec.engines.external is None
+    desired = Desired(
         secret=build_secret(ref, token),
         config_map=build_config_map(ref, config),
-        engine_service=build_engine_service(spec, ref),
+        engine_service=build_engine_service(spec, ref) if creates_engines else None,
         router_service=build_router_service(spec, ref),
-        engine_deployment=build_engine_deployment(spec, ref),
+        engine_deployment=build_engine_deployment(spec, ref) if creates_engines else None,
         router_deployment=build_router_deployment(spec, ref),
         router_config=config,
+        engine_disruption_budget=build_engine_disruption_budget(spec, ref) if creates_engines else None,
     )
+    problems = [p for obj in desired.objects() if (p := size_problem(obj))]
+    if problems:
+        raise ValueError("; ".join(problems))
+    return desired

@@ -158,3 +158,32 @@ def snake_keys(value: Any) -> Any:
     if isinstance(value, list):
         return [snake_keys(v) for v in value]
     return value
+
+
+def strip_defaults(schema: JSON, keep: frozenset[tuple[str, ...]] = frozenset()) -> JSON:
+    """The schema without ``default`` anywhere but at the property paths in ``keep``.
+
+    A default in a CRD is written into every stored object by the API server, so it
+    outlives the release that chose it; the operator applies its own defaults instead.
+    """
+
+    def walk(node: Any, path: tuple[str, ...]) -> Any:
+        if isinstance(node, list):
+            return [walk(v, path) for v in node]
+        if not isinstance(node, dict):
+            return node
+        out: JSON = {}
+        for key, value in node.items():
+            if key == "default" and path not in keep:
+                continue
+            if key == "properties":
+                out[key] = {name: walk(sub, (*path, name)) for name, sub in value.items()}
+            elif key in ("items", "additionalProperties"):
+                out[key] = walk(value, (*path, "[]"))
+            elif key in ("enum", "required", "x-kubernetes-validations"):
+                out[key] = copy.deepcopy(value)
+            else:
+                out[key] = walk(value, path)
+        return out
+
+    return walk(schema, ())

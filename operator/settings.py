@@ -37,7 +37,29 @@ class OperatorSettings(BaseModel):
         description="Kubernetes API URL for the operator's own client (no auth); default: in-cluster "
         "service account, else the current kubeconfig context.",
     )
-    post_events: bool = Field(True, description="Post Kubernetes Events for handler outcomes (kopf).")
+    post_events: bool = Field(
+        True, description="Post a Kubernetes Event on the pool for each condition transition (and kopf's own)."
+    )
+    retry_delay_s: float = Field(
+        5.0, gt=0.0,
+        description="Delay before a pass that failed on a race or an unreachable API server runs again "
+        "(conflicts, timeouts, 5xx: they usually clear within seconds).",
+    )
+    stalled_backoff_initial_s: float = Field(
+        30.0, gt=0.0,
+        description="First wait before a generation whose child the API server refused is tried again; "
+        "doubled after each refusal. A new generation is tried at once. Quota, RBAC and admission "
+        "webhooks can change without a spec change, so a refused generation is retried, slowly.",
+    )
+    stalled_backoff_max_s: float = Field(
+        600.0, gt=0.0, description="Longest wait between tries of a refused generation (the doubling stops here)."
+    )
+    drain_timeout_s: float = Field(
+        600.0, ge=0.0,
+        description="Longest a scale-down waits for the live sessions on the departing engines to finish "
+        "before the Deployment shrinks anyway (the status and an Event say how many were cut). "
+        "10 minutes covers a multi-turn agentic session between turns; 0 shrinks at once.",
+    )
     liveness_endpoint: str | None = Field(
         "http://0.0.0.0:8080/healthz", description="kopf's liveness endpoint (an empty string turns it off)."
     )

@@ -1,25 +1,32 @@
-"""Pure status building: conditions with stable transition times, and the router's view.
+"""Pure status building: kstatus conditions with stable transition times, and the router's view.
 
-Conditions (``type``, ``status``, ``reason``, ``message``, ``lastTransitionTime``):
+Conditions follow kstatus (sigs.k8s.io/cli-utils), so Flux, cli-utils and
+Argo CD (``charts/misa-t/argocd/``) read a pool without a custom rule:
 
-- ``ConfigApplied``: True only when the router's ``/status`` reports the pool's
-  current generation. Reasons: Applied, Pending (pushed or written, not yet
-  reported), PushFailed, InvalidSpec.
-- ``Progressing``: True while engines or router are not yet at the desired
-  state (RollingOut) or config is not yet applied; False (Stable) otherwise.
-- ``Degraded``: True for an invalid spec (InvalidSpec), an unreachable router
-  (RouterUnreachable) or a router reporting no healthy engines
-  (NoHealthyEngines); False (AsExpected) otherwise.
-- ``Ready``: all engines ready, router ready and config applied (AllReady);
-  otherwise False with the first reason that is missing.
+- ``Reconciling`` (abnormal-true): True while the cluster does not yet match
+  the spec and progress is expected: engines or router rolling out, config
+  not yet applied, a rollout step in order (port switch, model switch), a
+  scale-down draining engines, a router not answering yet.
+- ``Stalled`` (abnormal-true): True when progress needs someone to act: the
+  spec is invalid (``InvalidSpec``), the API server refused a child
+  (``ChildRefused``), a child's name is taken by a foreign object
+  (``NameConflict``). While Stalled, Reconciling is False, so kstatus reports
+  the pool as Failed rather than in progress until a timeout.
+- ``Ready`` (normal-true): engines ready, router ready, config applied.
+- ``ConfigApplied``: True only when the router's ``/status`` reports the
+  pool's current generation (the project's own; it never contradicts the
+  three above).
 
-``lastTransitionTime`` changes only when a condition's status changes, so a
-GitOps tool's health view does not flap with every status tick.
+Every condition carries ``observedGeneration`` (the generation it describes),
+``reason``, ``message`` and ``lastTransitionTime``, which changes only when the
+condition's status changes, so a GitOps health view does not flap with every
+status tick. Conditions of an older operator (``Progressing``, ``Degraded``)
+are dropped on the next write.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -27,14 +34,34 @@ from typing import Any
 from misat_router.status import RouterStatus
 
 READY = "Ready"
-PROGRESSING = "Progressing"
-DEGRADED = "Degraded"
+RECONCILING = "Reconciling"
+STALLED = "Stalled"
 CONFIG_APPLIED = "ConfigApplied"
-CONDITION_ORDER = (READY, PROGRESSING, DEGRADED, CONFIG_APPLIED)
+CONDITION_ORDER = (READY, RECONCILING, STALLED, CONFIG_APPLIED)
+RETIRED_CONDITIONS = frozenset({"Progressing", "Degraded"})
+"""Written by earlier operator versions; Reconciling and Stalled replace them."""
+
+INVALID_SPEC = "InvalidSpec"
+CHILD_REFUSED = "ChildRefused"
+NAME_CONFLICT = "NameConflict"
 
 
 def now_iso(now: datetime | None = None) -> str:
     return (now or datetime.now(UTC)).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def iso_at(epoch_s: float) -> str:
+    return now_iso(datetime.fromtimestamp(epoch_s, UTC))
+
+
+def parse_iso(text: Any) -> float | None:
+    """Epoch seconds of an RFC 3339 time as written by ``now_iso``, or None."""
+    if not isinstance(text, str):
+        return None
+    try:
+        return datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC).timestamp()
+    except ValueError:
+        return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,7 +76,11 @@ def merge_conditions(
     existing: Iterable[Mapping[str, Any]] | None, updates: Iterable[Cond], generation: int, now: str
 ) -> list[dict[str, Any]]:
     """New conditions list: updated ones replace old ones; transition time kept if status unchanged."""
-    by_type = {c.get("type"): dict(c) for c in existing or () if isinstance(c, Mapping)}
+    by_type = {
+        c.get("type"): dict(c)
+        for c in existing or ()
+        if isinstance(c, Mapping) and c.get("type") not in RETIRED_CONDITIONS
+    }
     for cond in updates:
         status = "True" if cond.status else "False"
         old = by_type.get(cond.type)
@@ -73,18 +104,40 @@ def condition(conditions: Iterable[Mapping[str, Any]] | None, type_: str) -> Map
     return None
 
 
-def invalid_spec_conditions(message: str) -> list[Cond]:
-    return [
-        Cond(READY, False, "InvalidSpec", message),
-        Cond(PROGRESSING, False, "InvalidSpec", "nothing applied until the spec is fixed"),
-        Cond(DEGRADED, True, "InvalidSpec", message),
-        Cond(CONFIG_APPLIED, False, "InvalidSpec", message),
-    ]
+def transitions(
+    before: Iterable[Mapping[str, Any]] | None, after: Iterable[Mapping[str, Any]]
+) -> list[Mapping[str, Any]]:
+    """Conditions of ``after`` whose status or reason differs from ``before`` (each is an Event)."""
+    old = {c.get("type"): c for c in before or () if isinstance(c, Mapping)}
+    out = []
+    for c in after:
+        prev = old.get(c.get("type"))
+        if prev is None or prev.get("status") != c.get("status") or prev.get("reason") != c.get("reason"):
+            out.append(c)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Stall:
+    """Why this generation cannot make progress on its own (reason: a ``Stalled`` reason)."""
+
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class Pending:
+    """A rollout step the operator is waiting on (reason and message of ``Reconciling``)."""
+
+    reason: str
+    message: str
+    blocks_ready: bool = True
+    """False for steps that leave the pool serving as before (a scale-down drain)."""
 
 
 @dataclass(frozen=True, slots=True)
 class Observed:
-    """What the status timer saw, one snapshot: Deployments and the router's answer."""
+    """What one pass saw: Deployments and the router's answer."""
 
     generation: int
     engines_desired: int
@@ -95,54 +148,85 @@ class Observed:
     router_error: str | None = None
 
 
-def health_conditions(obs: Observed) -> list[Cond]:
-    """Ready / Progressing / Degraded / ConfigApplied from one observation (pure)."""
-    applied = obs.router is not None and obs.router.generation >= obs.generation
-    if applied:
-        config = Cond(CONFIG_APPLIED, True, "Applied", f"router reports generation {obs.generation}")
-    elif obs.router is not None and obs.router.last_reload_error:
-        config = Cond(CONFIG_APPLIED, False, "ReloadRefused", obs.router.last_reload_error)
-    else:
-        seen = "unreachable" if obs.router is None else f"at generation {obs.router.generation}"
-        config = Cond(CONFIG_APPLIED, False, "Pending", f"waiting for generation {obs.generation}; router {seen}")
+def config_condition(obs: Observed) -> Cond:
+    if obs.router is not None and obs.router.generation >= obs.generation:
+        return Cond(CONFIG_APPLIED, True, "Applied", f"router reports generation {obs.generation}")
+    if obs.router is not None and obs.router.last_reload_error:
+        return Cond(CONFIG_APPLIED, False, "ReloadRefused", obs.router.last_reload_error)
+    seen = "unreachable" if obs.router is None else f"at generation {obs.router.generation}"
+    return Cond(CONFIG_APPLIED, False, "Pending", f"waiting for generation {obs.generation}; router {seen}")
 
+
+def stalled_conditions(stall: Stall, obs: Observed | None = None) -> list[Cond]:
+    """A generation that needs someone to act: Stalled, not Reconciling, not Ready."""
+    if obs is not None:
+        config = config_condition(obs)
+    else:
+        config = Cond(CONFIG_APPLIED, False, stall.reason, "not applied: " + stall.message)
+    return [
+        Cond(READY, False, stall.reason, stall.message),
+        Cond(RECONCILING, False, stall.reason, "waiting for the problem to be fixed (see Stalled)"),
+        Cond(STALLED, True, stall.reason, stall.message),
+        config,
+    ]
+
+
+def pool_conditions(obs: Observed, pending: Sequence[Pending] = ()) -> list[Cond]:
+    """Ready / Reconciling / Stalled / ConfigApplied of a generation that applied cleanly (pure)."""
+    config = config_condition(obs)
+    applied = config.status
     engines_ok = obs.engines_ready >= obs.engines_desired
     router_pods_ok = obs.router_ready_replicas >= obs.router_desired
-    rolling = not engines_ok or not router_pods_ok
-    if rolling:
-        progressing = Cond(
-            PROGRESSING, True, "RollingOut",
-            f"engines {obs.engines_ready}/{obs.engines_desired}, "
-            f"router {obs.router_ready_replicas}/{obs.router_desired}",
-        )
-    elif not applied:
-        progressing = Cond(PROGRESSING, True, "ApplyingConfig", config.message)
-    else:
-        progressing = Cond(PROGRESSING, False, "Stable", "desired state reached")
+    rollout = (
+        f"engines {obs.engines_ready}/{obs.engines_desired}, "
+        f"router {obs.router_ready_replicas}/{obs.router_desired}"
+    )
+    router_missing = obs.router_desired and obs.router is None and router_pods_ok
+    no_engines = (
+        obs.router is not None and obs.engines_desired and obs.router.healthy_engines == 0 and engines_ok
+    )
 
-    if obs.router_desired and obs.router is None and router_pods_ok:
-        degraded = Cond(DEGRADED, True, "RouterUnreachable", obs.router_error or "no answer from /status")
-    elif obs.router is not None and obs.engines_desired and obs.router.healthy_engines == 0 and engines_ok:
-        degraded = Cond(DEGRADED, True, "NoHealthyEngines", "engine pods are ready but the router sees none healthy")
+    if not engines_ok or not router_pods_ok:
+        reconciling = Cond(RECONCILING, True, "RollingOut", rollout)
+    elif pending:
+        reconciling = Cond(RECONCILING, True, pending[0].reason, pending[0].message)
+    elif router_missing:
+        reconciling = Cond(RECONCILING, True, "RouterUnreachable", obs.router_error or "no answer from /status")
+    elif not applied:
+        reconciling = Cond(RECONCILING, True, "ApplyingConfig", config.message)
+    elif no_engines:
+        reconciling = Cond(
+            RECONCILING, True, "NoHealthyEngines", "engine pods are ready but the router sees none healthy"
+        )
     else:
-        degraded = Cond(DEGRADED, False, "AsExpected", "")
+        reconciling = Cond(RECONCILING, False, "Reconciled", "desired state reached")
 
     router_ok = obs.router_desired == 0 or (obs.router is not None and obs.router.ready)
+    blocking = [p for p in pending if p.blocks_ready]
     if not engines_ok:
-        ready = Cond(READY, False, "EnginesNotReady", progressing.message)
+        ready = Cond(READY, False, "EnginesNotReady", rollout)
     elif not router_ok:
-        ready = Cond(READY, False, "RouterNotReady", obs.router_error or "router not ready")
+        reason = "RouterUnreachable" if obs.router is None else "RouterNotReady"
+        ready = Cond(READY, False, reason, obs.router_error or "router not ready")
     elif not applied:
         ready = Cond(READY, False, "ConfigNotApplied", config.message)
-    elif degraded.status:
-        ready = Cond(READY, False, degraded.reason, degraded.message)
+    elif no_engines:
+        ready = Cond(READY, False, "NoHealthyEngines", reconciling.message)
+    elif blocking:
+        ready = Cond(READY, False, blocking[0].reason, blocking[0].message)
     else:
         ready = Cond(READY, True, "AllReady", "engines, router and config are in place")
-    return [ready, progressing, degraded, config]
+    stalled = Cond(STALLED, False, "AsExpected", "")
+    return [ready, reconciling, stalled, config]
 
 
 def _pct(x: float) -> float:
     return round(100.0 * x, 2)
+
+
+def weight_versions(status: RouterStatus) -> list[str] | None:
+    """The weight versions the router reports for its engines (sorted), or None when it reports none."""
+    return sorted({e.weight_version for e in status.engines if e.weight_version is not None}) or None
 
 
 def router_view(status: RouterStatus) -> dict[str, Any]:

@@ -25,7 +25,7 @@ def one_engine_manifest(tmp_path: Path) -> Path:
 def test_demo_runs_three_rows_side_by_side_and_writes_its_report(tmp_path: Path) -> None:
     out = tmp_path / "out"
     code = main(["-f", str(one_engine_manifest(tmp_path)), "--duration", "200", "--warmup", "50",
-                 "--time-scale", "50", "--engines", "1", "--high-ceiling", "48", "--out", str(out)])
+                 "--time-scale", "25", "--engines", "1", "--high-ceiling", "48", "--out", str(out)])
     assert code == 0
     result = json.loads((out / "result.json").read_text())
     roles = [r["spec"]["role"] for r in result["rows"]]

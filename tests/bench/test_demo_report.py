@@ -150,3 +150,15 @@ def test_the_sweep_is_refined_around_its_best_point_to_the_step() -> None:
     sweep |= {104: 125.0, 120: 125.5}
     assert refinements(sweep, 8) == []  # both gaps are 8
     assert refinements({64: 1.0}, 8) == []
+
+
+def test_verdict_explains_more_units_but_off_the_mixture() -> None:
+    off = run(90).model_copy(update={"units_per_min": 130.0, "tv_points": 9.9,
+                                     "consumed_pct": {"agentic": 57.0, "rlvr": 23.0, "rlhf": 20.0}})
+    r = report([off], [run(100)], [run(45, hit=0.001, pre=250)])
+    assert r.ratios["untuned"].reading == "loss"
+    assert r.verdict[1] == ("It completed 1.18x the baseline's units per minute, but off the trainer's mixture "
+                            "(TV 9.9 points; rlvr 23% of completions against a 33% target), and a trainer that "
+                            "fills batches at its mixture waits for the scarcest class.")
+    # On the mixture: no such sentence.
+    assert not any("off the trainer's mixture" in v for v in report([run(100)], [run(100)], [run(90)]).verdict)

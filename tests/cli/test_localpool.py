@@ -108,6 +108,15 @@ def test_up_reports_a_taken_port_without_a_traceback(tmp_path: Path, capsys: pyt
     assert not any("/cli/" in tb or "/router/" in tb for tb in err.split("Traceback")[1:]), err
 
 
+def test_a_yaml_error_names_the_file_line_and_column(tmp_path: Path) -> None:
+    path = tmp_path / "pool.yaml"
+    path.write_text("kind: RolloutPool\nmetadata:\n  name: x\nspec:\n  model: {name: m\n  engines: 3\n")
+    with pytest.raises(PoolError) as err:
+        load_manifest(path)
+    assert str(err.value).startswith(f"{path}:6:10: not valid YAML: expected ',' or '}}'")
+    assert "<unicode string>" not in str(err.value)
+
+
 def test_up_reports_an_invalid_manifest(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text("kind: RolloutPool\nmetadata: {name: x}\nspec: {}\n")

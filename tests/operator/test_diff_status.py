@@ -11,9 +11,14 @@ from misat_operator.diff import LAST_APPLIED, plan_patch, with_last_applied
 from misat_operator.status import (
     Cond,
     Observed,
-    health_conditions,
+    Pending,
+    Stall,
     merge_conditions,
+    pool_conditions,
     router_view,
+    stalled_conditions,
+    transitions,
+    weight_versions,
 )
 from misat_router.status import ClassStatus, EngineStatus, RouterStatus
 
@@ -132,28 +137,52 @@ def _by_type(conds: list[Cond]) -> dict[str, Cond]:
 
 
 @pytest.mark.parametrize(
-    ("case", "obs", "ready_reason", "config", "degraded"),
+    ("case", "obs", "ready_reason", "config", "reconciling"),
     [
-        ("all-good", _obs(), "AllReady", "Applied", "AsExpected"),
-        ("engines-rolling", _obs(engines_ready=1), "EnginesNotReady", "Applied", "AsExpected"),
-        ("router-behind", _obs(router=_router(1)), "ConfigNotApplied", "Pending", "AsExpected"),
+        ("all-good", _obs(), "AllReady", "Applied", "Reconciled"),
+        ("engines-rolling", _obs(engines_ready=1), "EnginesNotReady", "Applied", "RollingOut"),
+        ("router-behind", _obs(router=_router(1)), "ConfigNotApplied", "Pending", "ApplyingConfig"),
         ("reload-refused", _obs(router=_router(1, error="workloads.classes drops [x]")), "ConfigNotApplied",
-         "ReloadRefused", "AsExpected"),
-        ("router-unreachable", _obs(router=None, router_error="GET /status: refused"), "RouterNotReady", "Pending",
+         "ReloadRefused", "ApplyingConfig"),
+        ("router-unreachable", _obs(router=None, router_error="GET /status: refused"), "RouterUnreachable", "Pending",
          "RouterUnreachable"),
         ("no-healthy-engines", _obs(router=_router(2, healthy=0, ready=False)), "RouterNotReady", "Applied",
          "NoHealthyEngines"),
     ],
     ids=lambda v: v if isinstance(v, str) else None,
 )
-def test_health_conditions(case: str, obs: Observed, ready_reason: str, config: str, degraded: str) -> None:
-    conds = _by_type(health_conditions(obs))
+def test_pool_conditions(case: str, obs: Observed, ready_reason: str, config: str, reconciling: str) -> None:
+    conds = _by_type(pool_conditions(obs))
     assert conds["Ready"].reason == ready_reason
     assert conds["Ready"].status is (ready_reason == "AllReady")
     assert conds["ConfigApplied"].reason == config
-    assert conds["Degraded"].reason == degraded
-    assert conds["Progressing"].status is (case in ("engines-rolling", "router-behind", "reload-refused",
-                                                      "router-unreachable"))
+    assert conds["Reconciling"].reason == reconciling
+    assert conds["Reconciling"].status is (case != "all-good")
+    assert conds["Stalled"].status is False  # a clean apply never stalls
+
+
+def test_pending_steps_keep_reconciling_and_only_blocking_ones_clear_ready() -> None:
+    drain = _by_type(pool_conditions(_obs(), [Pending("DrainingEngines", "1 engine drains", blocks_ready=False)]))
+    assert drain["Reconciling"].status and drain["Reconciling"].reason == "DrainingEngines"
+    assert drain["Ready"].status
+    port = _by_type(pool_conditions(_obs(), [Pending("EnginePortSwitch", "engines rolling to 9000")]))
+    assert not port["Ready"].status and port["Ready"].reason == "EnginePortSwitch"
+
+
+def test_a_stall_is_not_reconciling_so_kstatus_reports_failed() -> None:
+    conds = _by_type(stalled_conditions(Stall("ChildRefused", "Service p-router refused: 422 Invalid")))
+    assert conds["Stalled"].status and conds["Stalled"].message == "Service p-router refused: 422 Invalid"
+    assert not conds["Reconciling"].status and not conds["Ready"].status
+    assert conds["Ready"].reason == "ChildRefused"
+
+
+def test_retired_conditions_are_dropped_and_transitions_found() -> None:
+    old = [{"type": "Degraded", "status": "True", "reason": "InvalidSpec", "lastTransitionTime": "t0"},
+           {"type": "Ready", "status": "False", "reason": "InvalidSpec", "lastTransitionTime": "t0"}]
+    merged = merge_conditions(old, pool_conditions(_obs()), 2, "t1")
+    assert [c["type"] for c in merged] == ["Ready", "Reconciling", "Stalled", "ConfigApplied"]
+    assert {c["type"] for c in transitions(old, merged)} == {"Ready", "Reconciling", "Stalled", "ConfigApplied"}
+    assert transitions(merged, merge_conditions(merged, pool_conditions(_obs()), 2, "t2")) == []
 
 
 def test_router_view_sums_kv_and_reports_percentages() -> None:
@@ -164,3 +193,10 @@ def test_router_view_sums_kv_and_reports_percentages() -> None:
     agentic = view["classes"][0]
     assert agentic["activeSessions"] == 4 and agentic["heldRequests"] == 3 and agentic["kvUsedTokens"] == 500.0
     assert view["sampleRatePerMin"] == 12.35 and view["prefixHitRate"] == 0.9123
+
+
+def test_weight_versions_in_use_are_listed_once_each() -> None:
+    status = _router(2)
+    assert weight_versions(status) is None  # the router knows no version yet
+    rows = [e.model_copy(update={"weight_version": v}) for e, v in zip(status.engines, ("step-8", "step-7"), strict=True)]
+    assert weight_versions(status.model_copy(update={"engines": rows * 2})) == ["step-7", "step-8"]

@@ -8,13 +8,15 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
+from misat_operator.engine_args import MANAGED
 from misat_operator.models import (
     CLASS_NAME_PATTERN,
-    MANAGED_ENGINE_FLAGS,
     RolloutPoolSpec,
+    describe_spec_error,
     parse_spec,
     pool_name_error,
 )
+from misat_operator.vllm_flags import FLAGS
 from misat_router.policy.settings import ClassSpec, PolicyName, PolicySettings
 
 
@@ -86,7 +88,7 @@ def _with(base: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
         ("workloads.2.minKvShare", 0.9, "above maxKvShare"),
         ("defaultClass", "chat", "defaultClass"),
         ("engines.tensorParallelSize", 8, "tensorParallelSize"),
-        ("engines.extraArgs", ["--port=9000"], "extraArgs[0] --port"),
+        ("engines.extraArgs", ["--port=9000"], "spec.engines.extraArgs[0]: --port is set by the operator from spec.engines.port"),
         ("engines.replicas", -1, "greater than or equal"),
         ("engines.gpuMemoryUtilization", 0.0, "greater than 0"),
         ("engines.gpu", 1, "Extra inputs"),
@@ -97,7 +99,7 @@ def test_invalid_specs_name_the_problem(mixed_pool: dict[str, Any], path: str, v
     bad = _with(mixed_pool["spec"], path, value)
     with pytest.raises(ValidationError) as err:
         parse_spec(bad)
-    assert needle in str(err.value)
+    assert needle in describe_spec_error(err.value)
 
 
 def test_min_shares_summing_above_one_are_rejected(mixed_pool: dict[str, Any]) -> None:
@@ -114,11 +116,14 @@ def test_class_name_pattern_matches_the_routers() -> None:
     assert router == CLASS_NAME_PATTERN
 
 
-def test_every_managed_flag_is_refused_in_extra_args() -> None:
+def test_every_flag_set_from_a_typed_field_is_refused_in_extra_args() -> None:
     base = {"model": {"name": "m"}, "workloads": [{"name": "a", "share": 100}]}
-    for flag in MANAGED_ENGINE_FLAGS:
-        with pytest.raises(ValidationError):
-            parse_spec({**base, "engines": {"extraArgs": [flag, "x"]}})
+    typed = {dest for dest in MANAGED if dest != "model_tag"}
+    flags = sorted({flag for flag, (dest, _) in FLAGS.items() if dest in typed})
+    assert "--max-num-seqs" in flags and "-tp" in flags and "--no-enable-prefix-caching" in flags
+    for flag in flags:
+        with pytest.raises(ValidationError, match=r"set by the operator from spec\."):
+            parse_spec({**base, "engines": {"extraArgs": [flag, "8"] if FLAGS[flag][1] != "switch" else [flag]}})
     ok = parse_spec({**base, "engines": {"extraArgs": ["--enforce-eager", "--kv-cache-dtype=fp8"]}})
     assert ok.engines.extra_args == ["--enforce-eager", "--kv-cache-dtype=fp8"]
 
@@ -143,3 +148,80 @@ def test_operator_settings_from_environment() -> None:
     assert from_env({}).router_base_url("p", "ns", 8080) == "http://p-router.ns.svc.cluster.local:8080"
     with pytest.raises(SettingsError, match="MISAT_OPERATOR_STATUS_INTERVAL_S"):
         from_env({"MISAT_OPERATOR_STATUS_INTERVAL_S": "-1"})
+
+
+@pytest.mark.parametrize(
+    ("name", "needle"),
+    [
+        ("pool.v2", "metadata.name: 'pool.v2' cannot name a Service (pool.v2-engines): a DNS-1035 label"),
+        ("7b-pool", "metadata.name: '7b-pool' cannot name a Service (7b-pool-engines): a DNS-1035 label"),
+        ("Pool", "metadata.name: 'Pool' cannot name a"),
+    ],
+)
+def test_pool_names_must_fit_every_child_kind(name: str, needle: str) -> None:
+    assert needle in (pool_name_error(name) or "")
+
+
+def test_effective_values_are_the_pools_own_or_this_releases_defaults() -> None:
+    from misat_operator.models import (
+        DEFAULT_MODEL_CACHE_SIZE,
+        ENGINE_DRAIN_S,
+        ENGINE_PROBE_TIMEOUT_S,
+        effective_values,
+    )
+    from misat_router.config import RouterConfig
+
+    minimal = parse_spec({"model": {"name": "m"}, "workloads": [{"name": "a", "share": 100}]})
+    eff = effective_values(minimal)
+    assert eff["admission"]["sessionAdmission"]["epochS"] == PolicySettings().admission.epoch_s
+    assert eff["kvBudget"]["fraction"] == PolicySettings().kv_budget_fraction
+    assert eff["router"]["holdDeadlineSeconds"] == RouterConfig.model_fields["hold_deadline_s"].default
+    assert eff["engines"]["probes"]["timeoutSeconds"] == ENGINE_PROBE_TIMEOUT_S
+    assert eff["engines"]["shutdown"]["drainSeconds"] == ENGINE_DRAIN_S
+    assert eff["engines"]["modelCache"]["sizeLimit"] == DEFAULT_MODEL_CACHE_SIZE
+    assert "gpuMemoryUtilization" not in eff["engines"], "unset: vLLM's own default applies"
+
+    tuned = parse_spec({
+        "model": {"name": "m"}, "workloads": [{"name": "a", "share": 100}],
+        "admission": {"sessionAdmission": {"epochS": 0.25}},
+        "router": {"holdDeadlineSeconds": 60},
+        "engines": {"probes": {"timeoutSeconds": 30}, "shutdown": {"drainSeconds": 0}, "gpuMemoryUtilization": 0.8,
+                    "modelCache": {"claimName": "hf"}},
+    })
+    eff = effective_values(tuned)
+    assert eff["admission"]["sessionAdmission"]["epochS"] == 0.25
+    assert eff["router"]["holdDeadlineSeconds"] == 60
+    assert eff["engines"]["probes"]["timeoutSeconds"] == 30
+    assert eff["engines"]["shutdown"]["drainSeconds"] == 0
+    assert eff["engines"]["terminationGracePeriodSeconds"] == 10 + 0 + 30
+    assert eff["engines"]["gpuMemoryUtilization"] == 0.8
+    assert eff["engines"]["modelCache"] == {"claimName": "hf", "sizeLimit": None, "mountPath": "/cache"}
+    external = parse_spec({"model": {"name": "m"}, "workloads": [{"name": "a", "share": 100}],
+                           "engines": {"external": {"urls": ["http://e:8000"]}}})
+    assert "engines" not in effective_values(external)
+
+
+def test_a_spec_stores_only_what_its_author_wrote() -> None:
+    """The model fills defaults at reconcile time; nothing of them is in the written fields, so a later
+    release's defaults reach the pool (the CRD has no defaults either: test_crd.py)."""
+    written = {"model": {"name": "m"}, "workloads": [{"name": "a", "share": 100}], "admission": {"policy": "misa"}}
+    spec = parse_spec(written)
+    assert spec.model_fields_set == {"model", "workloads", "admission"}
+    assert spec.engines.model_fields_set == set()
+
+
+def test_admission_errors_use_the_manifest_names() -> None:
+    with pytest.raises(ValidationError) as err:
+        parse_spec({"model": {"name": "m"}, "workloads": [{"name": "a", "share": 100}],
+                    "admission": {"sessionAdmission": {"epochS": 0}, "cacheAware": {"maxTreeSize": -1}}})
+    message = describe_spec_error(err.value)
+    assert "spec.admission.sessionAdmission.epochS: " in message
+    assert "spec.admission.cacheAware.maxTreeSize: " in message
+    assert "epoch_s" not in message and ".admission.admission" not in message
+
+
+def test_gpus_in_resources_are_refused_in_favour_of_gpus_per_replica() -> None:
+    with pytest.raises(ValidationError) as err:
+        parse_spec({"model": {"name": "m"}, "workloads": [{"name": "a", "share": 100}],
+                    "engines": {"resources": {"limits": {"nvidia.com/gpu": 8}}}})
+    assert "spec.engines.resources.limits[nvidia.com/gpu]: is set from gpusPerReplica" in describe_spec_error(err.value)
