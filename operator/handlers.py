@@ -52,7 +52,7 @@ from misat_router.status import RouterStatus
 
 from .apply import ChildProblem, NameConflict, apply_object
 from .kube import Credentials, KubeClient, KubeError, from_kubeconfig, in_cluster
-from .models import RolloutPoolSpec, describe_spec_error, parse_spec, pool_name_error
+from .models import RolloutPoolSpec, describe_spec_error, effective_values, parse_spec, pool_name_error
 from .names import API_VERSION, CONFIG_KEY, GROUP, KIND, MANAGER, PLURAL, POOL_LABEL, VERSION, PoolNames
 from .render import ENGINE_COMPONENT, PoolRef, build_config_map, render, token_from_secret
 from .rollout import (
@@ -281,7 +281,8 @@ def build_status(
     if push_error and not (obs.router and obs.router.generation >= ref.generation):
         conds = [c for c in conds if c.type != "ConfigApplied"]
         conds.append(Cond("ConfigApplied", False, "PushFailed", push_error))
-    out: dict[str, Any] = {"observedGeneration": ref.generation, "conditions": conds}
+    out: dict[str, Any] = {"observedGeneration": ref.generation, "conditions": conds,
+                           "effective": effective_values(pool)}
     out["engines"] = {
         "desired": obs.engines_desired,
         "ready": obs.engines_ready,
@@ -429,9 +430,14 @@ async def _converge(rt: Runtime, mem: PoolMemory, ref: PoolRef, spec: Any) -> No
         pool.engines.replicas, current_replicas, engine_rows(before), mem.drain, time.time(),
         rt.settings.drain_timeout_s, live_replicas,
     )
-    port = routed_port(pool.engines.port, config_engine_port(config_map_now, CONFIG_KEY), engines_now)
     recreate = needs_recreate(engines_now, pool.model.name, pool.model.served)
-    config = _routed_config(desired.router_config, port, plan.draining)
+    if pool.engines.external is not None:
+        # Engines this pool does not run: their address is the user's, and nothing rolls or drains here.
+        port = pool.engines.port
+        config = desired.router_config
+    else:
+        port = routed_port(pool.engines.port, config_engine_port(config_map_now, CONFIG_KEY), engines_now)
+        config = _routed_config(desired.router_config, port, plan.draining)
 
     # -- apply, in order ----------------------------------------------------------------------------
     if plan.release:

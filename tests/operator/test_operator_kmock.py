@@ -300,6 +300,34 @@ async def test_router_scaled_to_zero_is_not_pushed(
         assert live_router.state.config.generation == 0
 
 
+async def test_bring_your_own_engines_renders_only_the_router(
+    k8s: Any, fresh_kopf_registry: kopf.OperatorRegistry, live_router: Any, waiter: Callable[..., Any],
+) -> None:
+    """spec.engines.external: no engine Deployment, Service or PDB; the router config points at the
+    given Service and keeps its port; the status shows the effective tunables."""
+    from pathlib import Path
+
+    body = yaml.safe_load((Path(__file__).resolve().parents[2] / "examples" / "external-engines-pool.yaml")
+                          .read_text())
+    body["metadata"]["namespace"] = NS
+    body["spec"]["router"] = {"replicas": 0}
+    api = str(k8s.url).rstrip("/")
+    async with running_operator(fresh_kopf_registry, api, live_router.url), aiohttp.ClientSession(api) as http:
+        await _api(http, "POST", POOL_URL, body, "application/json")
+        await waiter(lambda: _obj(k8s, "v1/configmaps", "external-pool-router-config"), WAIT_S, "router config")
+        await waiter(lambda: ((_obj(k8s, POOLS, "external-pool") or {}).get("status") or {}).get("effective"),
+                     WAIT_S, "status")
+        assert _obj(k8s, "apps/v1/deployments", "external-pool-router") is not None
+        for resource in ("apps/v1/deployments", "v1/services", "policy/v1/poddisruptionbudgets"):
+            assert _obj(k8s, resource, "external-pool-engines") is None, resource
+        config = yaml.safe_load(_obj(k8s, "v1/configmaps", "external-pool-router-config")["data"]["router.yaml"])
+        assert config["engines"]["service"]["name"] == "vllm-fleet.inference.svc.cluster.local"
+        assert config["engines"]["service"]["port"] == 8000
+        pool = _obj(k8s, POOLS, "external-pool")
+        assert pool is not None and pool["status"]["effective"]["admission"]["policy"] == "misa-t"
+        assert pool["status"]["engines"]["desired"] == 0
+
+
 # ---- level-triggered: children repaired, conflicts healed, refusals stall ---------------------------
 
 
