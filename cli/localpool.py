@@ -228,7 +228,9 @@ class LocalPool:
         changes = manifest_changes(self.spec, spec)
         self.spec, self.config = spec, config
         listed = "; ".join(changes) if changes else "no setting changed"
-        return f"applied generation {result.generation} (config {result.config_hash}): {listed}"
+        learned = ("the policy was rebuilt: its learned footprints and residencies start over"
+                   if result.policy_rebuilt else "learned footprints and residencies kept")
+        return f"applied generation {result.generation} (config {result.config_hash}): {listed}; {learned}"
 
     async def status(self) -> dict[str, Any]:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0)) as http, \

@@ -27,6 +27,8 @@ class PushResult:
     applied: bool
     generation: int
     config_hash: str
+    policy_rebuilt: bool = False
+    """The router rebuilt its policy for this config: its learned estimates started over."""
 
 
 class RouterClient:
@@ -59,7 +61,8 @@ class RouterClient:
                     raise RouterUnavailable(f"PUT /admin/config: {resp.status} {_error_message(body)}")
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             raise RouterUnavailable(f"PUT /admin/config: {type(exc).__name__}: {exc}") from None
-        return PushResult(bool(body["applied"]), int(body["generation"]), str(body["config_hash"]))
+        return PushResult(bool(body["applied"]), int(body["generation"]), str(body["config_hash"]),
+                          bool(body.get("policy_rebuilt", False)))
 
     async def status(self, base_url: str) -> RouterStatus:
         try:

@@ -87,6 +87,7 @@ async def test_local_pool_serves_and_reloads_admission_live(tmp_path: Path) -> N
         assert "applied generation 2" in message
         # The change is named as the manifest spells it.
         assert "spec.kvBudget.fraction: 0.9 -> 0.5" in message
+        assert message.endswith("learned footprints and residencies kept")  # a budget change keeps them
         after = await pool.status()
         assert after["generation"] == 2
         assert after["policy_state"]["engines"] or after["policy"] == "misa-t"
