@@ -24,13 +24,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import hashlib
 import json
 import os
 import sys
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -48,17 +46,17 @@ from misat_bench.demo_report import (
     build_report,
     table_rows,
 )
-from misat_bench.http_layer import HEALTH_TIMEOUT_S, STOP_GRACE_S, find_vllm_router, vllm_router_command
+from misat_bench.http_layer import RouterStartError, find_vllm_router, router_process, vllm_router_command
 from misat_bench.suite import pick_oracle
 from misat_cli.localpool import (
-    KEEP_UP_PATH,
     PoolError,
+    get_keep_up,
     load_manifest,
     render_local_config,
     start_sim_engines,
     stop_engines,
 )
-from misat_cli.processes import ProcessStartError, free_port, start_process, stop_processes, wait_http_ok
+from misat_cli.processes import free_port
 from misat_operator.models import RolloutPoolSpec
 from misat_router.config import RouterConfig
 from misat_router.policy.settings import CacheAwareSettings, PolicyName, PolicySettings
@@ -357,14 +355,7 @@ async def _engine_metrics(http: aiohttp.ClientSession, urls: list[str]) -> list[
 
 
 async def _keep_up(http: aiohttp.ClientSession, urls: list[str]) -> list[dict[str, Any] | None]:
-    async def one(url: str) -> dict[str, Any] | None:
-        try:
-            async with http.get(url + KEEP_UP_PATH) as r:
-                body: dict[str, Any] = await r.json()
-                return body
-        except (aiohttp.ClientError, TimeoutError, ValueError):
-            return None
-    return list(await asyncio.gather(*(one(u) for u in urls)))
+    return list(await asyncio.gather(*(get_keep_up(http, u) for u in urls)))
 
 
 def process_cpu_s(pid: int) -> float | None:
@@ -375,22 +366,6 @@ def process_cpu_s(pid: int) -> float | None:
         return None
     # After the command name: state is field 3, utime and stime fields 14 and 15 (proc(5)).
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-@contextlib.asynccontextmanager
-async def router_process(cmd: list[str], port: int, health_path: str,
-                         log_path: Path) -> AsyncIterator[tuple[str, int]]:
-    """A router subprocess, healthy (bounded wait) before the body runs; its URL and pid."""
-    proc = start_process(cmd, log_path=log_path)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        try:
-            await wait_http_ok(base + health_path, proc, HEALTH_TIMEOUT_S, what=f"router ({log_path})")
-        except ProcessStartError as exc:
-            raise PoolError(str(exc)) from None
-        yield base, proc.pid
-    finally:
-        stop_processes([proc], STOP_GRACE_S)
 
 
 async def _router_status(http: aiohttp.ClientSession, base: str) -> dict[str, Any] | None:
@@ -474,10 +449,10 @@ async def run_row(row: RowSpec, s: DemoSettings, seed: int, console: Console) ->
             cmd = [sys.executable, "-P", "-m", "misat_router.server", "--config", str(cfg_path),
                    "--host", "127.0.0.1", "--port", str(port)]
             health = "/ready"
-        async with router_process(cmd, port, health, log_dir / "router.log") as (base, router_pid), \
+        async with router_process(cmd, port, health, log_dir / "router.log") as router, \
                 aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=SCRAPE_TIMEOUT_S)) as http:
             trainer = Trainer(TrainerConfig(
-                base_url=base, model=spec.model.served, max_in_flight=row.ceiling, mode="continuous",
+                base_url=router.url, model=spec.model.served, max_in_flight=row.ceiling, mode="continuous",
                 duration_s=s.duration_s / s.time_scale, time_scale=s.time_scale,
                 request_timeout_s=REQUEST_TIMEOUT_S,
             ), workload_spec(spec, seed, length_scale))
@@ -495,11 +470,11 @@ async def run_row(row: RowSpec, s: DemoSettings, seed: int, console: Console) ->
                 snap = trainer.snapshot()
                 t_model = snap.elapsed_s * s.time_scale
                 metrics = await _engine_metrics(http, urls)
-                status = await _router_status(http, base) if row.router == "misat" else None
+                status = await _router_status(http, router.url) if row.router == "misat" else None
                 series.append(_sample(t_model, snap, metrics, status))
                 if warm is None and t_model >= s.warmup_s:
                     warm, warm_metrics, warm_keep = snap, metrics, await _keep_up(http, urls)
-                    warm_cpu = (process_cpu_s(router_pid), time.monotonic())
+                    warm_cpu = (process_cpu_s(router.pid), time.monotonic())
                 if time.monotonic() - last_print >= PROGRESS_S:
                     last_print = time.monotonic()
                     console.print(f"  {row.label}: {t_model:4.0f}/{s.duration_s:.0f} modelled s, "
@@ -509,8 +484,8 @@ async def run_row(row: RowSpec, s: DemoSettings, seed: int, console: Console) ->
             probe.cancel()
             end_metrics = await _engine_metrics(http, urls)
             end_keep = await _keep_up(http, urls)
-            router_status = await _router_status(http, base) if row.router == "misat" else None
-            end_cpu = (process_cpu_s(router_pid), time.monotonic())
+            router_status = await _router_status(http, router.url) if row.router == "misat" else None
+            end_cpu = (process_cpu_s(router.pid), time.monotonic())
         if warm is None:
             raise PoolError(f"{row.label}: the run ended before its warm-up ({s.warmup_s:g} modelled s)")
         pre = sum(int(b.preemptions_total - a.preemptions_total)
@@ -633,7 +608,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         s = settings_from_args(args)
         report = asyncio.run(demo(s, console))
-    except PoolError as exc:
+    except (PoolError, RouterStartError) as exc:
         console.print(f"[bold red]misat demo:[/] {exc}")
         return 1
     except KeyboardInterrupt:

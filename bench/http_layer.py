@@ -48,7 +48,7 @@ from rich.console import Console
 
 from misat_bench.report import SummaryRow
 from misat_bench.suite import BenchSettings, WorkloadName, pick_oracle
-from misat_cli.processes import free_port, start_process, stop_processes
+from misat_cli.processes import ProcessStartError, free_port, start_process, stop_processes, wait_http_ok
 from misat_router.policy.settings import CacheAwareSettings, PolicyName, PolicySettings
 from misat_sim.cluster import mix_for
 from misat_sim.config import SimEngineConfig
@@ -64,9 +64,8 @@ from misat_sim.workload import WorkloadSpec
 VLLM_ROUTER_BINARY: str = "vllm-router"
 """The PyPI ``vllm-router`` console script (a Rust binary), looked up next to this Python first."""
 
-HEALTH_POLL_S: float = 0.1
 HEALTH_TIMEOUT_S: float = 30.0
-"""A router must answer its health endpoint within this (bounded poll every HEALTH_POLL_S)."""
+"""A router must answer its health endpoint within this (``misat_cli.processes.wait_http_ok`` polls)."""
 
 STOP_GRACE_S: float = 5.0
 """After SIGTERM a router gets this long before SIGKILL."""
@@ -252,25 +251,31 @@ def misat_router_config(urls: list[str], model: str, spec: WorkloadSpec, policy:
     }
 
 
+class RouterStartError(RuntimeError):
+    """A router subprocess exited or stayed unhealthy at start (the message names its log)."""
+
+
+@dataclass(frozen=True)
+class RouterProcess:
+    """A running router subprocess: its base URL and pid (for CPU readings)."""
+
+    url: str
+    pid: int
+
+
 @contextlib.asynccontextmanager
-async def router_process(cmd: list[str], port: int, health_path: str, log_path: Path) -> AsyncIterator[str]:
-    """Start a router subprocess, wait (bounded) for its health endpoint, stop its process group on exit."""
+async def router_process(cmd: list[str], port: int, health_path: str, log_path: Path) -> AsyncIterator[RouterProcess]:
+    """Start a router subprocess, wait (bounded) for its health endpoint, stop its process group on exit.
+
+    A router that exits or stays unhealthy raises ``RouterStartError`` naming its log."""
     proc = start_process(cmd, log_path=log_path)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + HEALTH_TIMEOUT_S
-        async with aiohttp.ClientSession() as s:
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"router exited with {proc.returncode}; log: {log_path}")
-                with contextlib.suppress(aiohttp.ClientError, TimeoutError):
-                    async with s.get(base + health_path, timeout=aiohttp.ClientTimeout(total=1)) as r:
-                        if r.status == 200:
-                            break
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"router not healthy after {HEALTH_TIMEOUT_S:g} s; log: {log_path}")
-                await asyncio.sleep(HEALTH_POLL_S)
-        yield base
+        try:
+            await wait_http_ok(base + health_path, proc, HEALTH_TIMEOUT_S, what=f"router (log: {log_path})")
+        except ProcessStartError as exc:
+            raise RouterStartError(str(exc)) from None
+        yield RouterProcess(base, proc.pid)
     finally:
         stop_processes([proc], STOP_GRACE_S)
 
@@ -345,7 +350,8 @@ async def run_one(name: str, router: Literal["vllm-router", "misat"], policy: Po
                 cfg_path.write_text(json.dumps(misat_router_config(fleet.urls, model, spec, policy, h.time_scale)))
                 cmd = [sys.executable, "-m", "misat_router.server", "--config", str(cfg_path),
                        "--host", "127.0.0.1", "--port", str(port)]
-            async with router_process(cmd, port, "/health", log_dir / f"{name}.log") as base:
+            async with router_process(cmd, port, "/health", log_dir / f"{name}.log") as proc:
+                base = proc.url
                 trainer = Trainer(TrainerConfig(
                     base_url=base, model=model, max_in_flight=ceiling, mode="continuous",
                     duration_s=h.duration_s / h.time_scale, time_scale=h.time_scale, stream=h.stream,

@@ -243,10 +243,11 @@ class LocalPool:
         if not self.simulated:
             return []
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=KEEP_UP_TIMEOUT_S)) as http:
-            return list(await asyncio.gather(*(_get_keep_up(http, url) for url in self.engine_urls)))
+            return list(await asyncio.gather(*(get_keep_up(http, url) for url in self.engine_urls)))
 
 
-async def _get_keep_up(http: aiohttp.ClientSession, url: str) -> dict[str, Any] | None:
+async def get_keep_up(http: aiohttp.ClientSession, url: str) -> dict[str, Any] | None:
+    """A simulated engine's ``/misat/keep_up`` reading with its ``url``; None where it did not answer."""
     try:
         async with http.get(f"{url}{KEEP_UP_PATH}") as resp:
             if resp.status != 200:

@@ -131,30 +131,11 @@ def _ended(answer: Answer) -> bool:
     return True
 
 
-class AsyncRolloutSession:
-    """One rollout session, async (``async with``). See the module docstring.
+class _Labelled:
+    """What both session flavours share: the labels and turn count, and the headers, body and
+    ``openai`` client derived from them (no I/O)."""
 
-    ``base_url`` is the router (``http://host:port``, no ``/v1``); ``rollout_class`` one of its
-    classes (None: its default class); ``session_id`` defaults to a fresh one. ``http`` is an
-    ``aiohttp.ClientSession`` to reuse (else one is opened and closed with the session);
-    ``sleep`` is how a retry waits (``asyncio.sleep``; tests pass their own).
-    """
-
-    def __init__(
-        self,
-        base_url: str,
-        rollout_class: str | None = None,
-        session_id: str | None = None,
-        *,
-        retry: HoldRetry | None = None,
-        http: aiohttp.ClientSession | None = None,
-        timeout_s: float = DEFAULT_TIMEOUT_S,
-        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
-    ) -> None:
-        self._core = _SessionCore(rollout_class, session_id, retry or HoldRetry())
-        self._transport = AsyncTransport(base_url, http=http, timeout_s=timeout_s)
-        self._sleep = sleep
-        self.base_url = self._transport.base_url
+    _core: _SessionCore
 
     @property
     def id(self) -> str:
@@ -189,6 +170,32 @@ class AsyncRolloutSession:
         come back to ``create`` to be retried after ``Retry-After``."""
         with_options: Callable[..., T] = client.with_options  # type: ignore[attr-defined]
         return with_options(default_headers=self.headers(), max_retries=0)
+
+
+class AsyncRolloutSession(_Labelled):
+    """One rollout session, async (``async with``). See the module docstring.
+
+    ``base_url`` is the router (``http://host:port``, no ``/v1``); ``rollout_class`` one of its
+    classes (None: its default class); ``session_id`` defaults to a fresh one. ``http`` is an
+    ``aiohttp.ClientSession`` to reuse (else one is opened and closed with the session);
+    ``sleep`` is how a retry waits (``asyncio.sleep``; tests pass their own).
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        rollout_class: str | None = None,
+        session_id: str | None = None,
+        *,
+        retry: HoldRetry | None = None,
+        http: aiohttp.ClientSession | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    ) -> None:
+        self._core = _SessionCore(rollout_class, session_id, retry or HoldRetry())
+        self._transport = AsyncTransport(base_url, http=http, timeout_s=timeout_s)
+        self._sleep = sleep
+        self.base_url = self._transport.base_url
 
     async def create(self, fn: Callable[..., Awaitable[T]], /, *args: Any, end: bool = False, **kwargs: Any) -> T:
         """``await fn(*args, **kwargs)`` as one turn: the turn header added to ``extra_headers``,
@@ -274,7 +281,7 @@ class AsyncRolloutSession:
             exc.add_note(f"misat_client: ending session {self.id!r} also failed: {end_exc}")
 
 
-class RolloutSession:
+class RolloutSession(_Labelled):
     """One rollout session, sync (``with``): ``AsyncRolloutSession``'s behaviour over the
     standard library (``urllib``), or around a sync ``openai.OpenAI`` method."""
 
@@ -292,31 +299,6 @@ class RolloutSession:
         self._transport = SyncTransport(base_url, timeout_s=timeout_s)
         self._sleep = sleep
         self.base_url = self._transport.base_url
-
-    @property
-    def id(self) -> str:
-        return self._core.id
-
-    @property
-    def labels(self) -> RolloutLabels:
-        return self._core.labels
-
-    @property
-    def turns(self) -> int:
-        return self._core.turns
-
-    def headers(self) -> dict[str, str]:
-        return self._core.labels.headers()
-
-    def next_headers(self, *, end: bool = False) -> dict[str, str]:
-        return self._core.take_turn(end).headers()
-
-    def labelled_body(self, payload: dict[str, Any], *, end: bool = False) -> dict[str, Any]:
-        return self._core.take_turn(end).add_to_body(payload)
-
-    def openai(self, client: T) -> T:
-        with_options: Callable[..., T] = client.with_options  # type: ignore[attr-defined]
-        return with_options(default_headers=self.headers(), max_retries=0)
 
     def create(self, fn: Callable[..., T], /, *args: Any, end: bool = False, **kwargs: Any) -> T:
         labels = self._core.take_turn(end)

@@ -39,6 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from .config import RouterConfig
 from .errors import AdminDisabled, InvalidRequest, NotFound, Unauthorized
 from .proxy import GENERATION_PREFIX, read_body
+from .request_meta import decode_json_object
 from .state import STATE, RouterState
 
 log = logging.getLogger(__name__)
@@ -272,12 +273,7 @@ class EngineCall(BaseModel):
 
 
 def _parse_call(raw: bytes) -> EngineCall:
-    try:
-        obj = json.loads(raw)
-    except (ValueError, RecursionError) as exc:
-        raise InvalidRequest(f"request body is not valid JSON: {str(exc)[:200]}") from None
-    if not isinstance(obj, dict):
-        raise InvalidRequest("request body must be a JSON object")
+    obj = decode_json_object(raw)
     try:
         call = EngineCall.model_validate(obj)
     except ValidationError as exc:

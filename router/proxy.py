@@ -107,6 +107,18 @@ def _response_headers(headers: Mapping[str, str], engine_id: str, warning: str |
     return out
 
 
+async def _end_stream(resp: web.StreamResponse, tracker: SseUsageTracker, data: bytes) -> None:
+    """Write the last events of a relayed stream and close it; a client already gone is fine.
+    Cut mid-event, the engine's partial event is terminated first so ``data`` parses on its own."""
+    if tracker.mid_event:
+        data = b"\n\n" + data
+    try:
+        await resp.write(data)
+        await resp.write_eof()
+    except ConnectionError:
+        pass
+
+
 async def read_body(request: web.Request, limit: int) -> bytes:
     """The request body, refused (``BodyTooLarge``) past ``limit`` bytes without reading it all."""
     if request.content_length is not None and request.content_length > limit:
@@ -367,13 +379,7 @@ class Forwarder:
         if self._include_usage():
             events.append({**chunk, "choices": [], "usage": self._abort_usage(tracker.events)})
         data = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"
-        if tracker.mid_event:
-            data = b"\n\n" + data
-        try:
-            await resp.write(data)
-            await resp.write_eof()
-        except ConnectionError:
-            pass
+        await _end_stream(resp, tracker, data)
 
     async def _attempt(self, engine: str) -> web.StreamResponse:
         s = self.state
@@ -464,14 +470,7 @@ class Forwarder:
 
     @staticmethod
     async def _write_error(resp: web.StreamResponse, tracker: SseUsageTracker, msg: str) -> None:
-        event = sse_error_event(msg)
-        if tracker.mid_event:
-            event = b"\n\n" + event
-        try:
-            await resp.write(event)
-            await resp.write_eof()
-        except ConnectionError:
-            pass
+        await _end_stream(resp, tracker, sse_error_event(msg))
 
 
 def _failed(meta: RequestMeta) -> Completion:

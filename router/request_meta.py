@@ -191,7 +191,8 @@ def _completion_prompt(prompt: object, chars_per_token: float) -> _Prompt:
     )
 
 
-def _decode_body(raw: bytes) -> dict[str, Any]:
+def decode_json_object(raw: bytes) -> dict[str, Any]:
+    """A request body that must be one JSON object; ``InvalidRequest`` otherwise."""
     try:
         obj = json.loads(raw)
     except (ValueError, RecursionError) as exc:
@@ -254,7 +255,7 @@ def parse_request(
 
     ``headers`` must look up case-insensitively (aiohttp's ``request.headers`` does).
     """
-    obj = _decode_body(raw)
+    obj = decode_json_object(raw)
     stream = _check_common(obj)
     rollout = _rollout_fields(obj)
 

@@ -208,13 +208,18 @@ async def _error_middleware(
         return web.json_response(e.body(), status=e.status)
 
 
-async def _parse(request: web.Request, model: type[BaseModel]) -> Any:
+async def _read_object(request: web.Request) -> dict[str, Any]:
     try:
         raw = await request.json()
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ApiError(f"Invalid JSON body: {e}") from None
     if not isinstance(raw, dict):
         raise ApiError("The request body must be a JSON object.")
+    return raw
+
+
+async def _parse(request: web.Request, model: type[BaseModel]) -> Any:
+    raw = await _read_object(request)
     try:
         return model.model_validate(raw)
     except ValidationError as e:
@@ -747,15 +752,8 @@ async def _is_sleeping(request: web.Request) -> web.Response:
 
 
 async def _json_object(request: web.Request) -> dict[str, Any]:
-    if not request.can_read_body:
-        return {}
-    try:
-        raw = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ApiError(f"Invalid JSON body: {e}") from None
-    if not isinstance(raw, dict):
-        raise ApiError("The request body must be a JSON object.")
-    return raw
+    """An optional JSON-object body (control endpoints): none is ``{}``."""
+    return await _read_object(request) if request.can_read_body else {}
 
 
 async def _collective_rpc(request: web.Request) -> web.Response:

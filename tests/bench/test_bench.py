@@ -118,10 +118,10 @@ async def test_vllm_router_binary_forwards_a_token_id_completion(tmp_path: Path)
 
         port = free_port()
         cmd = vllm_router_command(binary, fleet.urls, port, time_scale=cfg.time_scale)
-        async with router_process(cmd, port, "/health", tmp_path / "router.log") as base, aiohttp.ClientSession() as s:
+        async with router_process(cmd, port, "/health", tmp_path / "router.log") as proc, aiohttp.ClientSession() as s:
             body = {"model": cfg.model_name(), "prompt": list(range(10, 50)), "max_tokens": 4,
                     "ignore_eos": True, "return_token_ids": True}
-            async with s.post(f"{base}/v1/completions", json=body, headers={"X-Session-Id": "s"}) as r:
+            async with s.post(f"{proc.url}/v1/completions", json=body, headers={"X-Session-Id": "s"}) as r:
                 assert r.status == 200
                 data = await r.json()
     assert len(data["choices"][0]["token_ids"]) == 4

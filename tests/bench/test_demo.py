@@ -5,21 +5,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import yaml
 from rich.console import Console
 
 from misat_bench.demo import DemoSettings, main, tune, tuning_key
 from misat_cli.localpool import load_manifest
-
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "mixed-pool.yaml"
-
-
-def one_engine_manifest(tmp_path: Path) -> Path:
-    doc = yaml.safe_load(EXAMPLE.read_text())
-    doc["spec"]["engines"]["replicas"] = 1
-    path = tmp_path / "pool.yaml"
-    path.write_text(yaml.safe_dump(doc))
-    return path
+from tests.support.manifests import one_engine_manifest
 
 
 def test_demo_runs_three_rows_side_by_side_and_writes_its_report(tmp_path: Path) -> None:

@@ -12,19 +12,8 @@ from misat_cli.localpool import LocalPool, PoolError, load_manifest, local_pool,
 from misat_cli.up import main as up_main
 from misat_operator.render import PoolRef, build_router_config
 from misat_router.policy.settings import PolicyName
+from tests.support.manifests import EXAMPLE, one_engine_manifest
 from tests.support.processes import taken_port
-
-ROOT = Path(__file__).resolve().parents[2]
-EXAMPLE = ROOT / "examples" / "mixed-pool.yaml"
-
-
-def small_manifest(tmp_path: Path, **admission: object) -> Path:
-    doc = yaml.safe_load(EXAMPLE.read_text())
-    doc["spec"]["engines"]["replicas"] = 1
-    doc["spec"]["admission"].update(admission)
-    path = tmp_path / "pool.yaml"
-    path.write_text(yaml.safe_dump(doc))
-    return path
 
 
 @pytest.mark.parametrize(
@@ -68,7 +57,7 @@ def test_simulated_lengths_scale_the_footprint_prior_only_where_unset() -> None:
 
 
 async def test_local_pool_serves_and_reloads_admission_live(tmp_path: Path) -> None:
-    manifest = small_manifest(tmp_path)
+    manifest = one_engine_manifest(tmp_path)
     async with local_pool(manifest, time_scale=200.0) as pool:
         assert isinstance(pool, LocalPool) and len(pool.engine_urls) == 1
         client = AsyncOpenAI(base_url=f"{pool.router_url}/v1", api_key="unused",
@@ -100,7 +89,7 @@ async def test_local_pool_serves_and_reloads_admission_live(tmp_path: Path) -> N
 
 
 def test_up_reports_a_taken_port_without_a_traceback(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    manifest = small_manifest(tmp_path)
+    manifest = one_engine_manifest(tmp_path)
     with taken_port() as port:
         code = up_main(["-f", str(manifest), "--port", str(port), "--time-scale", "200"])
     assert code == 1
@@ -131,7 +120,7 @@ async def test_an_unreachable_engine_url_is_a_warning_and_requests_fail_fast(tmp
     from misat_cli.processes import free_port
 
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
-    async with local_pool(small_manifest(tmp_path), engine_urls=[dead], port=0) as pool:
+    async with local_pool(one_engine_manifest(tmp_path), engine_urls=[dead], port=0) as pool:
         assert len(pool.warnings) == 1 and pool.warnings[0].startswith(f"{dead}: unreachable")
         # The manifest's router settings apply; a request fails within the short no-engine wait.
         wait_s = pool.config.no_healthy_engine_wait_s

@@ -6,23 +6,13 @@ import stat
 from pathlib import Path
 
 import pytest
-import yaml
 from openai import AsyncOpenAI
 from rich.console import Console
 
 from misat_cli.localpool import local_pool
 from misat_cli.status import fetch_status, main, render_status
 from misat_cli.up import admin_token_lines
-
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "mixed-pool.yaml"
-
-
-def one_engine_manifest(tmp_path: Path) -> Path:
-    doc = yaml.safe_load(EXAMPLE.read_text())
-    doc["spec"]["engines"]["replicas"] = 1
-    path = tmp_path / "pool.yaml"
-    path.write_text(yaml.safe_dump(doc))
-    return path
+from tests.support.manifests import one_engine_manifest
 
 
 async def test_status_of_a_live_router_reads_in_the_manifests_units(tmp_path: Path) -> None:

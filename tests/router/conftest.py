@@ -17,6 +17,8 @@ from aiohttp.test_utils import TestServer
 
 from misat_router.app import create_app
 from misat_router.state import STATE, RouterState
+from misat_sim.config import SimEngineConfig
+from misat_sim.server import RunningServer, start_server
 from tests.support.fake_engine import FakeEngine
 from tests.support.router_config import MODEL, router_config
 
@@ -69,17 +71,20 @@ async def engines() -> AsyncIterator[list[FakeEngine]]:
 
 
 async def start_router(
-    fakes: list[FakeEngine], /, *, admin_token: str | None = None, config_path: str | None = None,
+    engines: list[FakeEngine] | list[str], /, *, admin_token: str | None = None, config_path: str | None = None,
     **overrides: Any,
 ) -> RouterHarness:
-    """A router in front of ``fakes``; keyword overrides replace RouterConfig fields."""
-    cfg = router_config([e.url for e in fakes], **overrides)
+    """A router in front of fake engines or engine URLs, healthy on all of them; keyword overrides
+    replace RouterConfig fields."""
+    fakes = [e for e in engines if isinstance(e, FakeEngine)]
+    urls = [e.url if isinstance(e, FakeEngine) else e for e in engines]
+    cfg = router_config(urls, **overrides)
     app = create_app(cfg, admin_token=admin_token, config_path=config_path)
     server = TestServer(app, host="127.0.0.1")
     await server.start_server()
     h = RouterHarness(server, fakes)
-    if fakes:
-        await h.wait_healthy(len(fakes))
+    if urls:
+        await h.wait_healthy(len(urls))
     return h
 
 
@@ -87,11 +92,30 @@ async def start_router(
 async def make_router() -> AsyncIterator[Callable[..., Any]]:
     started: list[RouterHarness] = []
 
-    async def make(fakes: list[FakeEngine], /, **kw: Any) -> RouterHarness:
-        h = await start_router(fakes, **kw)
+    async def make(engines: list[FakeEngine] | list[str], /, **kw: Any) -> RouterHarness:
+        h = await start_router(engines, **kw)
         started.append(h)
         return h
 
     yield make
     for h in started:
         await h.server.close()
+
+
+@pytest.fixture
+async def make_sims() -> AsyncIterator[Callable[..., Any]]:
+    """Start ``n`` simulated vLLM engines (tiny-cpu, seeds 0..n-1) at a time scale; stopped after the test."""
+    started: list[RunningServer] = []
+
+    async def make(n: int, *, time_scale: float) -> list[RunningServer]:
+        out = []
+        for i in range(n):
+            cfg = SimEngineConfig(profile="tiny-cpu", served_model_name=MODEL, time_scale=time_scale, seed=i,
+                                  engine_index=i)
+            out.append(await start_server(cfg))
+        started.extend(out)
+        return out
+
+    yield make
+    for s in started:
+        await s.stop()

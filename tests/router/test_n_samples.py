@@ -28,8 +28,7 @@ from misat_router.policy.settings import (
 from misat_router.policy.types import Completion, EngineSnapshot, RequestMeta
 from misat_router.request_meta import EndpointKind, parse_request
 from misat_router.state import STATE, RouterState
-from misat_sim.config import SimEngineConfig
-from misat_sim.server import RunningServer, start_server
+from misat_sim.server import RunningServer
 from tests.support.router_config import MODEL, router_config
 
 from .conftest import WAIT_S
@@ -110,15 +109,8 @@ def test_samples_are_n_times_the_prompts(body: dict, samples: int) -> None:
 
 
 @pytest.fixture
-async def sim_engines() -> AsyncIterator[list[RunningServer]]:
-    servers = []
-    for i in range(2):
-        cfg = SimEngineConfig(profile="tiny-cpu", served_model_name=MODEL, time_scale=2000.0, seed=i,
-                              engine_index=i)
-        servers.append(await start_server(cfg))
-    yield servers
-    for s in servers:
-        await s.stop()
+async def sim_engines(make_sims) -> list[RunningServer]:  # type: ignore[no-untyped-def]
+    return list(await make_sims(2, time_scale=2000.0))
 
 
 @pytest.fixture

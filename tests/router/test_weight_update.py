@@ -6,19 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
-from aiohttp.test_utils import TestServer
 
-from misat_router.app import create_app
-from misat_router.state import STATE, RouterState
-from misat_sim.config import SimEngineConfig
+from misat_router.state import RouterState
 from misat_sim.server import STATE as SIM_STATE
-from misat_sim.server import RunningServer, start_server
+from misat_sim.server import RunningServer
 from tests.support.fake_engine import FakeEngine
-from tests.support.router_config import MODEL, router_config
+from tests.support.router_config import MODEL
 
 from .conftest import WAIT_S, open_parked_stream
 
@@ -30,48 +26,14 @@ LONG = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 1500, "ignore_eos": T
 
 
 @pytest.fixture
-async def sims() -> AsyncIterator[list[RunningServer]]:
-    servers = []
-    for i in range(2):
-        cfg = SimEngineConfig(profile="tiny-cpu", served_model_name=MODEL, time_scale=1.0, seed=i,
-                              engine_index=i)
-        servers.append(await start_server(cfg))
-    yield servers
-    for s in servers:
-        await s.stop()
-
-
-class Router:
-    def __init__(self, server: TestServer) -> None:
-        self.server = server
-
-    @property
-    def state(self) -> RouterState:
-        return self.server.app[STATE]  # type: ignore[index]
-
-    @property
-    def url(self) -> str:
-        return str(self.server.make_url("")).rstrip("/")
-
-    async def wait(self, predicate) -> None:  # type: ignore[no-untyped-def]
-        await self.state.wait_until(predicate, WAIT_S)
+async def sims(make_sims) -> list[RunningServer]:  # type: ignore[no-untyped-def]
+    return list(await make_sims(2, time_scale=1.0))
 
 
 @pytest.fixture
-async def make() -> AsyncIterator:  # type: ignore[type-arg]
-    started: list[TestServer] = []
-
-    async def start(urls: list[str]) -> Router:
-        server = TestServer(create_app(router_config(urls), admin_token=TOKEN), host="127.0.0.1")
-        await server.start_server()
-        started.append(server)
-        r = Router(server)
-        await r.wait(lambda: r.state.registry.healthy_count() == len(urls))
-        return r
-
-    yield start
-    for s in started:
-        await s.close()
+def make(make_router):  # type: ignore[no-untyped-def]
+    """A router with the admin token in front of engine URLs, healthy on all of them."""
+    return lambda urls: make_router(urls, admin_token=TOKEN)
 
 
 async def _generating(sim: RunningServer) -> None:

@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+
+import openai
 import pytest
 
 from misat_sim.config import SimEngineConfig
 from misat_sim.engine import SimEngine
+from misat_sim.server import RunningServer, start_server
+
+SERVED_MODEL = "sim-tiny"
+"""The model name the HTTP tests' simulated server serves."""
 
 
 def tiny_engine(**overrides: object) -> SimEngine:
@@ -50,3 +57,19 @@ def make_engine():
 def drain():
     """``run_to_completion`` as a fixture."""
     return run_to_completion
+
+
+@pytest.fixture
+async def server() -> AsyncIterator[RunningServer]:
+    """A tiny-cpu simulated vLLM server at x2000 on a loopback port."""
+    cfg = SimEngineConfig(profile="tiny-cpu", served_model_name=SERVED_MODEL, time_scale=2000.0, seed=3)
+    srv = await start_server(cfg)
+    yield srv
+    await srv.stop()
+
+
+@pytest.fixture
+async def client(server: RunningServer) -> AsyncIterator[openai.AsyncOpenAI]:
+    c = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+    yield c
+    await c.close()  # an unclosed client's transport is finalised later, in another test

@@ -3,32 +3,16 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 
 import aiohttp
-import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from misat_sim.config import SimEngineConfig
-from misat_sim.server import STATE, RunningServer, build_parser, config_from_args, start_server
+from misat_sim.server import STATE, build_parser, config_from_args, start_server
 
-MODEL = "sim-tiny"
-
-
-@pytest.fixture
-async def server() -> AsyncIterator[RunningServer]:
-    cfg = SimEngineConfig(profile="tiny-cpu", served_model_name=MODEL, time_scale=2000.0, seed=3)
-    srv = await start_server(cfg)
-    yield srv
-    await srv.stop()
-
-
-@pytest.fixture
-async def client(server: RunningServer) -> AsyncIterator[openai.AsyncOpenAI]:
-    c = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
-    yield c
-    await c.close()  # an unclosed client's transport is finalised later, in another test
+from .conftest import SERVED_MODEL as MODEL
 
 
 async def _wait_for(predicate: Callable[[], bool], timeout: float = 5.0) -> None:

@@ -9,22 +9,14 @@ import json
 from collections.abc import AsyncIterator, Callable
 
 import aiohttp
-import openai
 import pytest
 
 from misat_sim.config import SimEngineConfig
 from misat_sim.server import STATE, RunningServer, start_server
 
-MODEL = "sim-tiny"
+from .conftest import SERVED_MODEL as MODEL
+
 WAIT_S = 5.0
-
-
-@pytest.fixture
-async def server() -> AsyncIterator[RunningServer]:
-    cfg = SimEngineConfig(profile="tiny-cpu", served_model_name=MODEL, time_scale=2000.0, seed=3)
-    srv = await start_server(cfg)
-    yield srv
-    await srv.stop()
 
 
 @pytest.fixture
@@ -34,13 +26,6 @@ async def slow_server() -> AsyncIterator[RunningServer]:
     srv = await start_server(cfg)
     yield srv
     await srv.stop()
-
-
-@pytest.fixture
-async def client(server: RunningServer) -> AsyncIterator[openai.AsyncOpenAI]:
-    c = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
-    yield c
-    await c.close()
 
 
 async def _until(predicate: Callable[[], bool]) -> None:
