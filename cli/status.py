@@ -98,11 +98,13 @@ def kv_table(status: Mapping[str, Any]) -> Table | None:
     if not rows:
         return None
     t = Table(title="KV allocation per engine and class (policy estimates: footprint x sessions)")
-    for col in ("engine", "class", "sessions", "cap (sessions)", "budget (est. tokens)", "in use (est. tokens)"):
-        t.add_column(col, justify="left" if col in ("engine", "class") else "right")
+    for col in ("engine", "class", "sessions", "cap (sessions)", "budget (est. tokens)", "in use (est. tokens)",
+                "why this budget and cap"):
+        t.add_column(col, justify="left" if col in ("engine", "class", "why this budget and cap") else "right")
     for r in rows:
         t.add_row(_text(r.get("engine")), _text(r.get("workload_class")), _text(r.get("sessions")),
-                  _text(r.get("cap")), _tokens(r.get("budget_tokens")), _tokens(r.get("used_tokens")))
+                  _text(r.get("cap")), _tokens(r.get("budget_tokens")), _tokens(r.get("used_tokens")),
+                  _text(r.get("reason")))
     return t
 
 

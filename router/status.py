@@ -99,6 +99,7 @@ class KvAllocation(BaseModel):
     cap: int | None = Field(description="K_{w,b}: sessions the class may hold on the engine.")
     budget_tokens: float | None = Field(description="M_{w,b}: the class's KV budget on the engine.")
     used_tokens: float | None = Field(description="Live sessions x the class's footprint k_b.")
+    reason: str | None = Field(None, description="Why the class has this budget and cap, in words (MISA, MISA-T).")
 
 
 class ClassStatus(BaseModel):
@@ -167,6 +168,7 @@ def kv_allocations(describe: Mapping[str, Any]) -> list[KvAllocation]:
                     cap=None if cap is None else int(cap),
                     budget_tokens=_num(row.get("budget_tokens")),
                     used_tokens=_num(row.get("used_tokens")),
+                    reason=row["reason"] if isinstance(row.get("reason"), str) else None,
                 )
             )
     return rows

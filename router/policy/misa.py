@@ -45,6 +45,8 @@ from .prefix_index import PrefixIndex, PromptKeys, prompt_keys
 from .settings import PolicySettings, WorkloadMix
 from .types import Completion, Decision, EngineSnapshot, Reason, RequestMeta
 
+BOUND_TOLERANCE = 1e-9
+"""A budget share this close to a class's minKvShare / maxKvShare was set by it (float rounding)."""
 _KEY_MEMO_LIMIT = 1 << 16
 """Bound on memoised prompt keys (a cache, not a policy constant)."""
 
@@ -496,6 +498,24 @@ class MisaPolicy(Policy):
 
     # ---- reporting ------------------------------------------------------
 
+    def _budget_reason(
+        self, b: str, snap: EngineSnapshot, live: int, held: float, n_engines: int, budget: float
+    ) -> str:
+        """Why class ``b`` has this budget and cap on the engine, in words (``/status``)."""
+        fraction = self.settings.kv_budget_fraction
+        capacity = snap.kv_capacity_tokens * fraction
+        share = budget / capacity if capacity > 0 else 0.0
+        basis = f"{live + held / max(1, n_engines):.1f} sessions x footprint {self.footprint_of(b):,.0f} tokens"
+        if self.residency_on:
+            basis += f" x residency {self.residency_of(b):.0f} s"
+        # Shares within rounding of a bound were set by it.
+        if b in self._max_share and share >= self._max_share[b] - BOUND_TOLERANCE:
+            basis += f", held at maxKvShare {self._max_share[b]:.0%}"
+        elif b in self._min_share and share <= self._min_share[b] + BOUND_TOLERANCE:
+            basis += f", raised to minKvShare {self._min_share[b]:.0%}"
+        return (f"{share:.0%} of the engine's KV budget ({fraction:.0%} of {snap.kv_capacity_tokens:,} tokens), "
+                f"in proportion to {basis}; cap = max(1, floor(budget / footprint))")
+
     def describe(self) -> dict[str, object]:
         demand = self._demand(None)
         k_ref = self.reference_footprint(demand)
@@ -505,10 +525,8 @@ class MisaPolicy(Policy):
             snap = self.snapshots[w]
             guard = self.guards.get(w)
             per = self.engine_class_sessions.get(w, {})
-            budgets = (
-                self.class_budgets(w, snap, self.class_weights(demand), len(healthy))
-                if self.budgets_on else {}
-            )
+            weights = self.class_weights(demand)
+            budgets = self.class_budgets(w, snap, weights, len(healthy)) if self.budgets_on else {}
             engines[w] = {
                 "healthy": snap.healthy,
                 "kv_capacity_tokens": snap.kv_capacity_tokens,
@@ -526,6 +544,8 @@ class MisaPolicy(Policy):
                         "cap": class_session_cap(budgets[b], self.footprint_of(b))
                         if b in budgets else None,
                         "used_tokens": per.get(b, 0) * self.footprint_of(b),
+                        "reason": self._budget_reason(b, snap, per.get(b, 0), weights[b][0], len(healthy),
+                                                      budgets[b]) if b in budgets else None,
                     }
                     for b in demand
                 },

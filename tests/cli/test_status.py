@@ -30,6 +30,10 @@ async def test_status_of_a_live_router_reads_in_the_manifests_units(tmp_path: Pa
     assert "policy misa" in text and "engines healthy 1/1" in text
     assert "KV budget (est. tokens)" in text and "KV in use" in text
     assert pool.engine_urls[0] in text
+    # Each class's budget and cap come with the reason they have that value.
+    reasons = [row["reason"] for row in status["kv"]]
+    assert reasons and all("of the engine's KV budget" in r and "cap = " in r for r in reasons)
+    assert "why this budget and cap" in text
 
 
 def test_status_of_an_unreachable_router_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
