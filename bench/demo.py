@@ -111,7 +111,7 @@ class DemoSettings(BaseModel):
 
 
 QUICK = {"duration_s": 150.0, "warmup_s": 50.0}
-"""``--quick``: about a minute of runs."""
+"""``--quick``: about a minute of runs; too short a window to compare policies (docs/demo.md)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -143,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def settings_from_args(args: argparse.Namespace) -> DemoSettings:
-    base = DemoSettings(**(QUICK if args.quick else {}))  # type: ignore[arg-type]
+    base = DemoSettings.model_validate(QUICK if args.quick else {})
     update: dict[str, Any] = {"manifest": args.filename, "time_scale": args.time_scale, "engines": args.engines,
                               "high_ceiling": args.high_ceiling, "profile": args.profile, "seed": args.seed,
                               "repeat": args.repeat, "retune": args.retune, "out": args.out}

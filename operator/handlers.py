@@ -258,11 +258,9 @@ async def observe(rt: Runtime, ref: PoolRef, pool: RolloutPoolSpec) -> tuple[Obs
     engines = await kube.get("apps/v1", "Deployment", ref.namespace, names.engines)
     router = await kube.get("apps/v1", "Deployment", ref.namespace, names.router)
     status, error = await router_status(rt, ref, pool)
-    # External engines (no engine Deployment): their readiness is the router's healthy count.
-    external = getattr(pool.engines, "external", None) is not None
     obs = Observed(
         generation=ref.generation,
-        engines_desired=0 if external else pool.engines.replicas,
+        engines_desired=pool.engines.managed_replicas,
         engines_ready=deployment_ready(engines),
         router_desired=pool.router.replicas,
         router_ready_replicas=deployment_ready(router),
