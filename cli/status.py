@@ -20,6 +20,8 @@ from rich.table import Table
 DEFAULT_URL = "http://127.0.0.1:8080"
 """Where ``misat up`` serves its router by default."""
 TIMEOUT_S = 5.0
+PIPE_WIDTH = 200
+"""Columns when stdout is not a terminal."""
 
 
 def _pct(v: object, digits: int = 1) -> str:
@@ -80,9 +82,12 @@ def engines_table(status: Mapping[str, Any]) -> Table:
     t = Table(title="engines (KV use and hits as the engines measure them)")
     rows = status.get("engines") or []
     extra = [k for k in ("weight_version",) if any(k in e for e in rows)]
+    headers = {"weight_version": "weight version"}
     for col in ("engine", "healthy", "draining", "sessions", "in flight", "running", "waiting", "KV in use",
-                "KV capacity (tokens)", "prefix hit", "preemptions", "last scrape", "last error", *extra):
-        t.add_column(col, justify="left" if col in ("engine", "last error") else "right")
+                "KV capacity (tokens)", "prefix hit", "preemptions", "last scrape", "last error",
+                *(headers[k] for k in extra)):
+        # The engine's URL is what a person looks for: never cut it.
+        t.add_column(col, justify="left" if col in ("engine", "last error") else "right", no_wrap=col == "engine")
     for e in rows:
         age = e.get("last_scrape_age_s")
         t.add_row(_text(e.get("id")), _text(e.get("healthy")), _text(e.get("draining")), _text(e.get("sessions")),
@@ -137,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     import asyncio
 
     args = build_parser().parse_args(argv)
-    console = Console()
+    # Wide enough for the engines table when output is a pipe or a log (rich assumes 80 there).
+    console = Console() if sys.stdout.isatty() else Console(width=PIPE_WIDTH)
     try:
         status = asyncio.run(fetch_status(args.url))
     except (aiohttp.ClientError, TimeoutError, RuntimeError, ValueError) as exc:
