@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-dev
 
-.PHONY: install demo test lint typecheck bench microbench e2e clean
+.PHONY: install demo test lint typecheck bench microbench proxybench e2e clean
 
 $(PY):
 	$(PYTHON) -P -m venv $(VENV)
@@ -31,7 +31,9 @@ typecheck: $(STAMP)
 	@for pair in $(TYPECHECK_LINKS); do ln -sfn ../../$${pair#*=} build/typecheck/$${pair%%=*}; done
 	$(VENV)/bin/mypy
 
+# The system package the tests run for real (haproxy in front of router shards); idempotent.
 test: $(STAMP) lint typecheck
+	bash scripts/system-packages.sh haproxy
 	$(VENV)/bin/pytest
 
 demo: $(STAMP)
@@ -42,6 +44,13 @@ bench: $(STAMP)
 
 microbench: $(STAMP)
 	$(PY) -P -m misat_bench.policy_microbench
+
+# The router's data path against the vllm-router binary on instant nginx stubs (docs/scale.md);
+# wrk, nginx (and haproxy, for router shards) come from Debian via scripts/system-packages.sh.
+# PROXYBENCH_ARGS: extra flags, e.g. --rounds 5 --extra-router before=/tmp/before_pkgs --profile 10
+proxybench: $(STAMP)
+	bash scripts/system-packages.sh
+	$(PY) -P -m misat_bench.proxy_bench $(PROXYBENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache .hypothesis

@@ -1,89 +1,102 @@
-"""``misat bench``: MISA-T against the vLLM Router's cache_aware, side by side, in one run.
+"""``misat bench``: this router's policies against the vLLM Router's cache_aware, cell by cell, over seeds.
 
 Why: the project's headline (rollout throughput with the trainer's mixture
 intact, without hand-tuning a concurrency limit) only means something next to
 the baseline the paper used, on the same engines and the same seeded
-workload. Two layers (``docs/benchmark.md``):
+workload, in steady state, with intervals over seeds. Two layers
+(``docs/benchmark.md``):
 
-1. cluster: ``misat_sim.cluster`` in virtual time, every workload of the
-   suite (``misat_bench.suite``), every baseline (oracle sweep,
-   tuned-once, request-limit, high-load, balance thresholds) and this
-   router's modes. Each run builds fresh engines.
-2. http: the real ``vllm-router`` binary and this project's router service in
-   front of simulated engines over HTTP, driven by the trainer emulator
-   (``misat_bench.http_layer``); it validates the cluster layer.
+1. cluster (the default): ``misat_sim.cluster`` in virtual time, every cell
+   of the matrix (``misat_bench.suite``: a family of target mixtures on
+   steady, the paper's mixture on the changing workloads, 4 and 16 engines),
+   every baseline (oracle sweep refined to steps of 8, tuned-once,
+   request-limit, high-load, small-fleet balance) and the policies under test.
+2. http (``--layer http`` or ``all``): the real ``vllm-router`` binary and this
+   project's router service over HTTP (``misat_bench.http_layer``); it
+   validates the cluster layer.
 
-Output under ``--out`` (default ``out/bench``): ``result.json``
-(``BenchResult``), ``bench.png``, ``table.md``, and a per-run cache
-(``cache/``) so an interrupted suite resumes.
+Runs are cached by config digest under ``--out``/cache, so the matrix can be
+run in pieces (``--cells``, ``--policies``) and merged: a later invocation
+reuses every cached run. Output: ``result.json`` (``BenchResult``),
+``table.md``, ``plots/<cell>.png``.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import platform
 import shlex
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
+from pydantic import ValidationError
 from rich.console import Console
 
 from misat_bench.cluster_runs import RunCache, RunRecord, dump_records, run_all
-from misat_bench.report import BenchResult, markdown_table, plot, render_table, summarise
+from misat_bench.goals import evaluate_goals, render_goals
+from misat_bench.report import BenchResult, markdown_table, plot_cell, render_table, summarise
 from misat_bench.suite import (
+    MIXTURE_FAMILY,
+    POLICY_VARIANTS,
     QUICK,
-    Baseline,
     BenchSettings,
+    Cell,
+    Plan,
     RunSpec,
-    WorkloadName,
-    fixed_runs,
-    pick_oracle,
-    refine_ceilings,
-    run_priority,
-    sweep_run,
-    tuned_runs,
-    workload_case,
+    parse_cells,
+    plan_suite,
 )
 
 DEFAULT_OUT = Path("out/bench")
 """Where results go unless ``--out`` says otherwise (``out/`` is git-ignored)."""
 
-TABLE_WIDTH: int = 180
+TABLE_WIDTH: int = 240
 """Console width when writing to a file (nohup logs): wide enough for one row a line."""
 
 DEFAULT_JOBS: int = 2
 """Parallel cluster runs: this project's machine has 2 cores."""
+
+MAX_STAGES: int = 64
+"""The planner is asked again after every stage; it converges in a handful (the refinement's rounds
+plus the tuned stage). A bound, so a planner bug cannot loop forever."""
 
 
 def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(",") if x.strip())
 
 
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(x.strip() for x in text.split(",") if x.strip()))
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``misat bench`` command line."""
     p = argparse.ArgumentParser(prog="misat bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="small suite: 2 engines, short runs, steady + kv-half")
-    p.add_argument("--workload", action="append", choices=[w.value for w in WorkloadName],
-                   help="run only these workloads (repeatable)")
-    p.add_argument("--layer", choices=["cluster", "http", "all"], default="all",
-                   help="cluster: the in-process simulation; http: the real binary over HTTP (default all)")
-    p.add_argument("--engines", type=int, help="engine replicas")
+    p.add_argument("--quick", action="store_true",
+                   help="minutes-long subset: 2 engines, 2 seeds, steady on 2 mixtures, mix-shift, iterations")
+    p.add_argument("--cells", help="only these cells, e.g. steady@paper,steady@rlvr70:4 (workload@mixture[:engines]; "
+                   "their reference cell steady@paper:<engines> comes along for the tuned values)")
+    p.add_argument("--policies", type=_names, help=f"policies under test (known: {', '.join(POLICY_VARIANTS)})")
+    p.add_argument("--seeds", type=_ints, help="replicate seeds, e.g. 0,1,2")
+    p.add_argument("--mixtures", type=_names, help=f"steady cells' mixtures (known: {', '.join(MIXTURE_FAMILY)})")
+    p.add_argument("--layer", choices=["cluster", "http", "all"], default="cluster",
+                   help="cluster: the in-process simulation (default); http: the real binary over HTTP")
+    p.add_argument("--engines", type=int, help="engines of every cell but the large-fleet ones")
+    p.add_argument("--large-fleet", type=_ints, help="large-fleet engine counts for steady (empty: none), e.g. 16")
     p.add_argument("--profile", help="engine profile (misat_sim.profiles)")
-    p.add_argument("--seed", type=int, help="workload seed (default: the suite's, 0)")
-    p.add_argument("--duration", type=float, help="virtual seconds per continuous run")
-    p.add_argument("--warmup", type=float, help="virtual seconds excluded from rates")
-    p.add_argument("--ceilings", type=_ints, help="coarse trainer-ceiling grid, e.g. 64,128,256")
-    p.add_argument("--refine", type=int, help="refinement rounds around the best ceiling")
-    p.add_argument("--high", type=int, help="the high ceiling MISA-T and high-load run at")
-    p.add_argument("--request-limits", type=_ints, help="router request limits swept on steady")
-    p.add_argument("--iterations", type=int, help="iterations workload: weight updates")
+    p.add_argument("--max-duration", type=float, help="cap on a run's virtual seconds")
     p.add_argument("--jobs", type=int, default=DEFAULT_JOBS, help=f"parallel cluster runs (default {DEFAULT_JOBS})")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"result directory (default {DEFAULT_OUT})")
     p.add_argument("--no-cache", action="store_true", help="ignore and do not write the per-run cache")
     p.add_argument("--no-plot", action="store_true", help="write no PNG plots")
+    p.add_argument("--plan", action="store_true",
+                   help="run nothing: list the runs the next stage would make and how many are cached")
     p.add_argument("--report-only", action="store_true",
-                   help="run nothing: table, JSON and plot from the cached runs (a suite cut short)")
+                   help="run nothing: table, JSON and plots from the cached runs (a suite cut short or run in pieces)")
     from misat_bench.http_layer import add_http_arguments
 
     add_http_arguments(p)
@@ -94,95 +107,138 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
     """``BenchSettings`` from the defaults (or ``--quick``) plus explicit flags."""
     base = QUICK if args.quick else BenchSettings()
     update: dict[str, object] = {}
-    for flag, field in [("engines", "engines"), ("profile", "profile"), ("seed", "seed"),
-                        ("duration", "duration_s"), ("warmup", "warmup_s"), ("ceilings", "ceilings"),
-                        ("refine", "refine_rounds"), ("high", "high_ceiling"), ("request_limits", "request_limits"),
-                        ("iterations", "iterations")]:
+    for flag, name in [("engines", "engines"), ("profile", "profile"), ("seeds", "seeds"), ("policies", "policies"),
+                       ("mixtures", "mixtures"), ("large_fleet", "large_fleet_engines")]:
         value = getattr(args, flag)
         if value is not None:
-            update[field] = value
-    if args.workload:
-        update["workloads"] = tuple(WorkloadName(w) for w in dict.fromkeys(args.workload))
-    return BenchSettings.model_validate({**base.model_dump(), **update})
+            update[name] = value
+    data = {**base.model_dump(), **update}
+    if args.max_duration is not None:
+        data["steady_state"] = {**data["steady_state"], "max_duration_s": args.max_duration}
+    return BenchSettings.model_validate(data)
 
 
-def run_cluster_layer(s: BenchSettings, *, jobs: int, cache: RunCache, out: Path, console: Console,
-                      cached_only: bool = False) -> tuple[list[RunRecord], dict[str, object]]:
-    """All cluster runs, in stages: fixed runs, refinement, steady-tuned runs elsewhere."""
-    done: list[RunRecord] = []
+class KeyMemo:
+    """``RunSpec.key`` is a digest of the whole cluster config: computed once per spec."""
 
-    def report(rec: RunRecord, cached: bool) -> None:
-        m = rec.metrics
-        console.print(f"  {rec.spec.workload.value:13s} {rec.spec.label:48s} {m.sample_rate_per_min:7.1f}/min "
-                      f"hit {100 * m.prefix_hit_rate:5.1f}% TV {m.tv_points:5.2f} preempt {m.preemptions:6d} "
-                      f"{'(cached)' if cached else f'cpu {rec.cpu_s:.0f}s'}", highlight=False)
-        done.append(rec)
-        dump_records(done, out / "runs.partial.json")
+    def __init__(self, s: BenchSettings) -> None:
+        self.s = s
+        self._memo: dict[str, str] = {}
 
-    all_specs: list[RunSpec] = []
+    def __call__(self, spec: RunSpec) -> str:
+        text = spec.model_dump_json()
+        key = self._memo.get(text)
+        if key is None:
+            key = self._memo[text] = spec.key(self.s)
+        return key
 
-    def stage(name: str, specs: list[RunSpec]) -> list[RunRecord]:
-        console.print(f"[bold]cluster stage: {name}[/bold] ({len(specs)} runs)")
-        all_specs.extend(specs)
-        return run_all(specs, s, jobs=jobs, cache=cache, on_done=report, cached_only=cached_only)
 
-    fixed = fixed_runs(s)
-    # Steady in full and every workload's sweep + MISA-T first; the steady-tuned baselines next; the
-    # ablations on the other workloads last: a suite cut short by CPU is still a whole comparison.
-    records = stage("steady; every workload's sweep and MISA-T", [r for r in fixed if run_priority(r) <= 1])
-    later = [r for r in fixed if run_priority(r) > 1]
+def run_stages(s: BenchSettings, cells: list[Cell], policies: tuple[str, ...] | None,
+               runner: Callable[[list[RunSpec]], list[RunRecord]], known: dict[str, RunRecord],
+               on_stage: Callable[[int, int], None] | None = None) -> Plan:
+    """Ask the planner, run what it names that is not known, repeat until it names nothing new.
 
-    def sweep_points(w: WorkloadName) -> dict[int, float]:
-        return {r.spec.ceiling: r.metrics.sample_rate_per_min for r in records
-                if r.spec.workload is w and r.spec.baseline is Baseline.SWEEP}
+    ``runner`` returns the records it could make (a cache-only runner may return fewer); the loop
+    also stops when a stage adds nothing.
+    """
+    key = KeyMemo(s)
 
-    for round_no in range(s.refine_rounds):
-        extra = [sweep_run(w, c) for w in s.workloads for c in refine_ceilings(sweep_points(w))]
-        if not extra:
+    def rate(spec: RunSpec) -> float | None:
+        rec = known.get(key(spec))
+        return None if rec is None else rec.metrics.mixture_rate_per_min
+
+    plan = plan_suite(s, rate, cells, policies)
+    for stage in range(MAX_STAGES):
+        missing = list({key(sp): sp for sp in plan.runs if key(sp) not in known}.values())
+        if not missing:
             break
-        records += stage(f"refinement {round_no + 1}", extra)
-    oracle = {w: pick_oracle(sweep_points(w)) for w in s.workloads if sweep_points(w)}
-    limits = {r.spec.policy.concurrency_limit: r.metrics.sample_rate_per_min for r in records
-              if r.spec.workload is WorkloadName.STEADY and r.spec.baseline is Baseline.REQUEST_LIMIT}
-    steady_limit = pick_oracle({k: v for k, v in limits.items() if k is not None}) if limits else None
-    records += stage("tuned on steady", tuned_runs(s, oracle, steady_limit, None))
-    records += stage("ablations on the other workloads", sorted(later, key=run_priority))
-    balance = {(r.spec.policy.cache_aware.balance_abs_threshold, r.spec.policy.cache_aware.balance_rel_threshold):
-               r.metrics.sample_rate_per_min for r in records
-               if r.spec.workload is WorkloadName.STEADY and r.spec.baseline is Baseline.BALANCE_SMALL}
-    steady_balance = max(balance, key=lambda k: balance[k]) if balance else None
-    if steady_balance is not None and len(s.workloads) > 1:
-        records += stage("small-fleet balance elsewhere", [
-            r for r in tuned_runs(s, oracle, steady_limit, steady_balance)
-            if r.baseline is Baseline.BALANCE_SMALL and r.workload is not WorkloadName.STEADY])
-    tuned: dict[str, object] = {
-        "oracle_ceiling": {w.value: c for w, c in oracle.items()},
-        "steady_request_limit": steady_limit,
-        "steady_balance": list(steady_balance) if steady_balance else None,
-    }
-    # One record per key: the stages list some runs twice (a swept ceiling reused as tuned-once).
-    unique = {(r.key, r.spec.baseline, r.spec.label): r for r in records}
-    return list(unique.values()), tuned
+        if on_stage:
+            on_stage(stage, len(missing))
+        added = 0
+        for rec in runner(missing):
+            if rec.key not in known:
+                added += 1
+            known[rec.key] = rec
+        if not added:
+            break
+        plan = plan_suite(s, rate, cells, policies)
+    return plan
+
+
+def machine_description() -> str:
+    """The machine a result was produced on (for the doc)."""
+    return f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.system()} {platform.release()}, " \
+           f"Python {platform.python_version()}"
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the suite; prints the table, writes result.json, table.md and bench.png under --out."""
+    """Run the suite; prints the table and goals, writes result.json, table.md and plots under --out."""
     args = build_parser().parse_args(argv)
-    s = settings_from_args(args)
     console = Console(width=TABLE_WIDTH) if not sys.stdout.isatty() else Console()
+    try:
+        s = settings_from_args(args)
+        cells = parse_cells(args.cells, s) if args.cells else s.cells()
+    except ValidationError as exc:
+        why = "; ".join(str(e["msg"]).removeprefix("Value error, ") for e in exc.errors())
+        console.print(f"[red]misat bench: {why}[/red]", highlight=False)
+        return 2
+    except ValueError as exc:
+        console.print(f"[red]misat bench: {exc}[/red]", highlight=False)
+        return 2
+    policies = args.policies
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     cache = RunCache(None if args.no_cache else out / "cache")
     started = time.monotonic()
-    descriptions = {w.value: workload_case(w, s).description for w in s.workloads}
-    result = BenchResult(command="misat bench " + shlex.join(sys.argv[1:] if argv is None else argv), settings=s)
+    result = BenchResult(command="misat bench " + shlex.join(sys.argv[1:] if argv is None else argv), settings=s,
+                         machine=machine_description())
     if args.layer in ("cluster", "all"):
-        records, tuned = run_cluster_layer(s, jobs=args.jobs, cache=cache, out=out, console=console,
-                                           cached_only=args.report_only)
-        result.runs = records
-        result.tuned = tuned
-        result.workloads = summarise(records, s, descriptions)
-        result.cpu_s_total = sum(r.cpu_s for r in records)
+        known: dict[str, RunRecord] = {}
+        done: list[RunRecord] = []
+
+        def report(rec: RunRecord, cached: bool) -> None:
+            m, sp = rec.metrics, rec.spec
+            flag = "" if m.converged in (True, None) and m.warmup_ok in (True, None) else " NOT CONVERGED"
+            console.print(f"  {sp.cell(s).id:22s} s{sp.seed_of(s)} {sp.label:44s} {m.mixture_rate_per_min:7.1f} "
+                          f"mix/min {m.sample_rate_per_min:7.1f}/min hit {100 * m.prefix_hit_rate:5.1f}% "
+                          f"(ideal {100 * m.ideal_prefix_hit_rate:5.1f}%) TV {m.tv_points:5.2f} "
+                          f"warm-up {m.window_start_s:5.0f}s measured {m.measured_s:5.0f}s"
+                          f"{flag} {'(cached)' if cached else f'cpu {rec.cpu_s:.0f}s'}", highlight=False)
+            done.append(rec)
+            dump_records(done, out / "runs.partial.json")
+
+        if args.plan:
+            key = KeyMemo(s)
+
+            def cached(specs: list[RunSpec]) -> list[RunRecord]:
+                return run_all(specs, s, jobs=1, cache=cache, cached_only=True)
+
+            plan = run_stages(s, cells, policies, cached, known)
+            todo = list({key(sp): sp for sp in plan.runs if key(sp) not in known}.values())
+            console.print(f"cells: {', '.join(c.id for c in cells)}")
+            console.print(f"cached runs usable: {len(known)}; next stage: {len(todo)} runs")
+            for sp in todo:
+                console.print(f"  {sp.cell(s).id:22s} s{sp.seed_of(s)} {sp.label}", highlight=False)
+            return 0
+
+        def runner(specs: list[RunSpec]) -> list[RunRecord]:
+            return run_all(specs, s, jobs=args.jobs, cache=cache, on_done=report, cached_only=args.report_only)
+
+        def on_stage(i: int, n: int) -> None:
+            console.print(f"[bold]cluster stage {i + 1}[/bold] ({n} runs{', cache only' if args.report_only else ''})")
+
+        plan = run_stages(s, cells, policies, runner, known, on_stage)
+        key = KeyMemo(s)
+        used = {key(sp) for sp in plan.runs}
+        result.runs = [known[k] for k in sorted(used) if k in known]
+        result.tuned = plan.tuned
+        summaries = summarise(plan.runs, known, s, cells, plan.tuned)
+        empty = [c.cell for c in summaries if not c.rows]
+        if empty:
+            console.print(f"[yellow]no runs yet for {', '.join(empty)} (left out of the result)[/yellow]")
+        result.cells = [c for c in summaries if c.rows]
+        result.goals = evaluate_goals(result.cells)
+        result.cpu_s_total = sum(r.cpu_s for r in result.runs)
     http_rows = []
     if args.layer in ("http", "all"):
         from misat_bench.http_layer import run_http_layer
@@ -191,11 +247,15 @@ def main(argv: list[str] | None = None) -> int:
         result.http = http.model_dump(mode="json")
         http_rows = http.rows
     (out / "result.json").write_text(result.model_dump_json(indent=1))
-    console.print(render_table(result.workloads, http_rows))
-    (out / "table.md").write_text(markdown_table(result.workloads) + "\n")
-    if not args.no_plot and result.workloads:
-        plot(result.workloads, out / "bench.png")
-    console.print(f"wrote {out / 'result.json'} ({time.monotonic() - started:.0f} s wall)")
+    console.print(render_table(result.cells, http_rows))
+    if result.goals:
+        console.print(render_goals(result.goals), highlight=False)
+    (out / "table.md").write_text(markdown_table(result.cells, result.goals) + "\n")
+    if not args.no_plot:
+        for cs in result.cells:
+            plot_cell(cs, out / "plots" / f"{cs.cell.replace('@', '_').replace(':', '_')}.png")
+    console.print(f"wrote {out / 'result.json'} ({len(result.runs)} runs, {result.cpu_s_total:.0f} CPU-s in runs, "
+                  f"{time.monotonic() - started:.0f} s wall)")
     return 0
 
 

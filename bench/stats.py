@@ -9,7 +9,8 @@ normal approximation (which is 30-60% too narrow at n = 3).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from enum import StrEnum
 
 from pydantic import BaseModel, ConfigDict
 
@@ -61,3 +62,32 @@ def mean_interval(values: Sequence[float]) -> Interval:
     var = sum((v - mean) ** 2 for v in values) / (n - 1)
     half = t_quantile(n - 1) * math.sqrt(var / n)
     return Interval(mean=mean, low=mean - half, high=mean + half, n=n)
+
+
+class Verdict(StrEnum):
+    """How a ratio's interval reads against 1.0."""
+
+    WIN = "win"
+    LOSS = "loss"
+    PARITY = "parity"
+    """The interval straddles 1.0: neither a win nor a loss."""
+    ONE_RUN = "one run"
+    """No interval (a single replicate): no verdict."""
+
+
+def verdict(ratio: Interval) -> Verdict:
+    """``parity`` when the 95% interval of a ratio straddles 1.0, else a win or a loss."""
+    if ratio.n < 2:
+        return Verdict.ONE_RUN
+    if ratio.straddles(1.0):
+        return Verdict.PARITY
+    return Verdict.WIN if ratio.low > 1.0 else Verdict.LOSS
+
+
+def paired_ratio(numerators: Mapping[int, float], denominators: Mapping[int, float]) -> Interval | None:
+    """Mean and interval of per-replicate ratios ``num[k] / den[k]`` over the keys both have
+    (seeds: the two runs of a ratio replay the same sessions). None without a common key."""
+    keys = [k for k in numerators if k in denominators and denominators[k] > 0]
+    if not keys:
+        return None
+    return mean_interval([numerators[k] / denominators[k] for k in keys])

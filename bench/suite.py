@@ -1,39 +1,41 @@
-"""The benchmark suite as data: workloads, baselines and MISA-T modes, seeded alike.
+"""The benchmark suite as data: cells, seeds, baselines and the policies under test.
 
-Why a module of its own: the suite's definitions are the claim. Which
-workloads, which baselines, at which ceilings, all derived from one
+Why a module of its own: the suite's definitions are the claim. Which mixtures,
+which workloads, which baselines at which ceilings, all derived from one
 ``BenchSettings`` by pure functions, so the unit tests can check that every
-workload and baseline is present and that every policy sees the same seeded
-sessions, without running anything.
+class spans the mixture family, that every policy of a cell replays the same
+seeded sessions, and which runs ``--quick`` would make, without running anything.
 
-Layers (``docs/benchmark.md``):
+A **cell** is (workload, target mixture, engines); **seeds** are its replicates
+(the workload's seed and the engines' seed alike). Every run of a cell and seed
+replays the same sessions whatever the policy. The suite is built in stages
+(``plan_suite``): later runs depend on earlier results (the oracle's refinement,
+the values tuned on steady), so the planner is called again with what is known
+until it asks for nothing new.
 
-- cluster: ``misat_sim.cluster`` in virtual time; the baselines use this
-  project's re-implementation of the vLLM Router's ``cache_aware`` policy
-  (``router/policy/cache_aware.py``) and of its ``--max-concurrent-requests``
-  (``PolicySettings.concurrency_limit``). Sweeps are cheap here.
-- http: the same seeded workload through the real ``vllm-router`` binary and
-  through this project's router service (``misat_bench.http_layer``).
-
-The oracle sweep is adaptive: a coarse grid of trainer ceilings, then
-midpoints around the best point (``refine_ceilings``), so the suite is built
-in stages (``stage_runs``) and later stages read earlier results.
+Layers (``docs/benchmark.md``): this module plans the cluster layer
+(``misat_sim.cluster``, virtual time); ``misat_bench.http_layer`` reuses
+``BenchSettings`` and ``RunSpec`` for its agreement check.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
+import statistics
+from collections.abc import Callable, Mapping
 from enum import StrEnum
-from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from misat_bench.steady_state import SteadyStateSettings
 from misat_router.policy.settings import (
     CacheAwareSettings,
     FootprintSettings,
     PolicyName,
     PolicySettings,
+    ResidencySettings,
 )
 from misat_sim.cluster import ClusterConfig
 from misat_sim.config import SimEngineConfig
@@ -53,41 +55,90 @@ DEFAULT_PROFILE: str = "qwen30b-a3b-h100"
 DEFAULT_ENGINES: int = 4
 """The issue's default fleet: 4 engines (the paper's Qwen pool is 4 x TP4 H100)."""
 
+LARGE_FLEET_ENGINES: tuple[int, ...] = (16,)
+"""The issue's second fleet size for steady cells."""
+
+DEFAULT_SEEDS: tuple[int, ...] = (0, 1, 2)
+"""Replicates per cell (the issue: at least 3)."""
+
 CEILING_ROUNDING: int = 8
-"""Refined ceilings are multiples of this (the reference model swept in steps of 8)."""
+"""Refined ceilings are multiples of this (the issue: steps of 8 around the best point)."""
 
-UNITS_PER_ENGINE_MINUTE: float = 50.0
-"""Rough sample rate of one ``qwen30b-a3b-h100`` engine on the paper's mixture at scale
-1/16 (measured: cache_aware at ceiling 96 on 4 engines, 203 units/min). Used only to
-place phase changes (drift span, mix shift) inside a run whose length is given in
-seconds while the phases are on the ``units`` axis; the phases' content does not
-depend on it."""
+PAPER_MIXTURE: str = "paper"
+"""Name of the paper's mixture in ``MIXTURE_FAMILY``."""
 
-DRIFT_SPAN_FRACTION: float = 0.5
-"""Length drift grows outputs over this share of the units a run is expected to release,
-then holds: the measured window sees growth and the grown plateau."""
+BENCH_BLOCK_SIZE: int = 64
+"""Simulated KV block of the benchmark's cluster runs, 4x the engines' 16: per-block work is
+most of the simulator's cost, and at 64 a run takes 0.45x the CPU. What it moves, measured
+on the same runs at 16 and 64 (4 engines, the paper's mixture, 1,500 s, seeds 0 and 1,
+docs/simulator.md "Block granularity"): mixture-constrained rates by -0.05% to -2.7%, the
+ratios the benchmark reports (a row over tuned cache_aware) by at most 1.1 points for MISA and
+MISA-T and 2.0 for high-load's collapse, prefix hits by -0.5 to -2.2 points."""
+
+MIXTURE_FAMILY: dict[str, dict[RolloutClass, float]] = {
+    PAPER_MIXTURE: dict(DEFAULT_MIXTURE_PERCENT),
+    "agentic70": {RolloutClass.AGENTIC: 70.0, RolloutClass.RLVR: 20.0, RolloutClass.RLHF: 10.0},
+    "rlvr70": {RolloutClass.AGENTIC: 10.0, RolloutClass.RLVR: 70.0, RolloutClass.RLHF: 20.0},
+    "rlhf70": {RolloutClass.AGENTIC: 20.0, RolloutClass.RLVR: 10.0, RolloutClass.RLHF: 70.0},
+    "agentic10": {RolloutClass.AGENTIC: 10.0, RolloutClass.RLVR: 45.0, RolloutClass.RLHF: 45.0},
+    "rlvr10": {RolloutClass.AGENTIC: 45.0, RolloutClass.RLVR: 10.0, RolloutClass.RLHF: 45.0},
+    "rlhf10": {RolloutClass.AGENTIC: 45.0, RolloutClass.RLVR: 45.0, RolloutClass.RLHF: 10.0},
+}
+"""Target mixtures (percent) of the steady cells, fixed in code before any v2 result was seen
+(2026-12-01): the paper's, the three corners where one class is 70% (the other two 20/10,
+rotated so each class is the 10% once), and the three edges where one class is 10% and the
+other two share the rest evenly. Every class's share spans 10%..70% across the family."""
+
+MIX_SHIFT_AGENTIC_AFTER: float = 70.0
+"""mix-shift: the agentic share (percent) after the shift."""
+
+
+def _agentic_share(agentic: float) -> dict[RolloutClass, float]:
+    """``agentic`` percent agentic, RLVR:RLHF kept at the paper's ratio."""
+    rlvr, rlhf = DEFAULT_MIXTURE_PERCENT[RolloutClass.RLVR], DEFAULT_MIXTURE_PERCENT[RolloutClass.RLHF]
+    rest = 100.0 - agentic
+    return {RolloutClass.AGENTIC: agentic, RolloutClass.RLVR: rest * rlvr / (rlvr + rlhf),
+            RolloutClass.RLHF: rest * rlhf / (rlvr + rlhf)}
+
+
+MIX_SHIFT_AFTER: dict[RolloutClass, float] = _agentic_share(MIX_SHIFT_AGENTIC_AFTER)
+"""mix-shift: the cell's mixture until the shift, then agentic 70% (RLVR:RLHF at the paper's
+33.1 : 18.2), the issue's example of a trainer turning agentic-heavy."""
 
 DRIFT_GROWTH: float = 2.5
-"""RLVR/RLHF outputs grow 1x -> 2.5x (the issue: 2x to 3x; ``length_drift_spec``'s default)."""
-
-MIX_SHIFT_FRACTION: float = 0.4
-"""The target mixture changes after this share of the expected units (after warm-up)."""
-
-MIX_SHIFT_AGENTIC_BEFORE: float = 30.0
-MIX_SHIFT_AGENTIC_AFTER: float = 70.0
-"""Agentic share (percent) before and after the shift (the issue's example); RLVR and
-RLHF keep the paper's 33.1 : 18.2 ratio in the remainder."""
+"""length-drift: RLVR/RLHF outputs grow 1x -> 2.5x (the issue: 2x to 3x; ``length_drift_spec``'s default)."""
 
 KV_HALF: float = 0.5
 KV_DOUBLE: float = 2.0
-"""KV-change workloads: the engines' KV blocks times these (another model or GPU)."""
+"""KV-change cells: the engines' KV blocks times these (another model or GPU)."""
 
 SMALL_FLEET_BALANCE: tuple[tuple[int, float], ...] = ((4, 1.2), (16, 1.2))
 """Candidate ``(balance_abs_threshold, balance_rel_threshold)`` pairs for a small fleet.
 The defaults (64, 1.5) assume many engines and thousands of requests in flight: with 4
 engines and a few hundred in flight the absolute gap rarely exceeds 64, so load
-balancing almost never triggers. The best candidate on steady (at the oracle ceiling)
-is reported on every workload."""
+balancing almost never triggers. The best candidate on steady@paper (at its oracle
+ceiling, mean over seeds) is run on every other cell."""
+
+DEFAULT_POLICY: str = "default"
+"""The variant the goals are about: the untuned ``PolicySettings()``."""
+
+POLICY_VARIANTS: dict[str, PolicySettings] = {
+    DEFAULT_POLICY: PolicySettings(),
+    "misa-t": PolicySettings(name=PolicyName.MISA_T),
+    "misa": PolicySettings(name=PolicyName.MISA),
+    "session-admission": PolicySettings(name=PolicyName.SESSION_ADMISSION),
+    "misa-t-censored": PolicySettings(name=PolicyName.MISA_T, residency=ResidencySettings(censored=True)),
+    "misa-t-sqrt": PolicySettings(name=PolicyName.MISA_T, residency=ResidencySettings(exponent=0.5)),
+    "misa-t-target": PolicySettings(name=PolicyName.MISA_T, budget_basis="target"),
+    "footprint-peak-p90": PolicySettings(footprint=FootprintSettings(statistic="peak", percentile=90.0)),
+    "footprint-mean-p50": PolicySettings(footprint=FootprintSettings(statistic="mean", percentile=50.0)),
+}
+"""Policies under test by name, each run at the high ceiling with no per-cell tuning. Add a
+variant here (a T-shape, a footprint estimator) and name it in ``--policies``; a variant equal
+to another (``default`` and ``misa`` while MISA is the default) runs once (same digest)."""
+
+DEFAULT_POLICIES: tuple[str, ...] = (DEFAULT_POLICY, "misa-t", "misa", "session-admission")
+"""The variants the full suite runs."""
 
 
 class WorkloadName(StrEnum):
@@ -101,116 +152,180 @@ class WorkloadName(StrEnum):
     ITERATIONS = "iterations"
 
 
+CHANGING_WORKLOADS: tuple[WorkloadName, ...] = (
+    WorkloadName.LENGTH_DRIFT, WorkloadName.MIX_SHIFT, WorkloadName.KV_HALF, WorkloadName.KV_DOUBLE,
+)
+"""Workloads where a value tuned on steady is wrong for the moment (the tuned-once goal)."""
+
+
 class Baseline(StrEnum):
     """What a run stands for in the comparison."""
 
     SWEEP = "sweep"
     """cache_aware at one trainer ceiling of the oracle sweep."""
     ORACLE = "oracle"
-    """The best sweep point of this workload (a label on a sweep run, never a run of its own)."""
+    """The best sweep point of a cell and seed (a label on a sweep run, never a run of its own)."""
     TUNED_ONCE = "tuned-once"
-    """cache_aware at steady's oracle ceiling, unchanged on this workload."""
+    """cache_aware at steady@paper's oracle ceiling, unchanged on this cell."""
     REQUEST_LIMIT = "request-limit"
     """cache_aware with the router's own request limit, trainer ceiling high."""
     HIGH_LOAD = "high-load"
-    """cache_aware at the ceiling MISA-T runs at."""
+    """cache_aware at the high ceiling the policies under test run at (a sweep point)."""
     BALANCE_SMALL = "balance-small"
-    """cache_aware at the oracle ceiling with small-fleet balance thresholds."""
-    MISA_T = "misa-t"
-    MISA = "misa"
-    SESSION_ADMISSION = "session-admission"
-    FOOTPRINT = "footprint"
-    """MISA-T with another footprint estimator (sensitivity)."""
+    """cache_aware at the cell's oracle ceiling with small-fleet balance thresholds."""
+    POLICY = "policy"
+    """A policy under test (``RunSpec.variant`` names it), at the high ceiling."""
 
 
 BASELINES_VLLM: tuple[Baseline, ...] = (
     Baseline.ORACLE, Baseline.TUNED_ONCE, Baseline.REQUEST_LIMIT, Baseline.HIGH_LOAD, Baseline.BALANCE_SMALL,
 )
-"""The vLLM Router cache_aware baselines every workload reports."""
+"""The vLLM Router cache_aware baselines every cell reports."""
 
-MISAT_MODES: tuple[Baseline, ...] = (Baseline.MISA_T, Baseline.MISA, Baseline.SESSION_ADMISSION)
-"""This router's modes, all run at the high ceiling without per-workload tuning."""
 
-_MODE_POLICY: dict[Baseline, PolicyName] = {
-    Baseline.MISA_T: PolicyName.MISA_T,
-    Baseline.MISA: PolicyName.MISA,
-    Baseline.SESSION_ADMISSION: PolicyName.SESSION_ADMISSION,
-}
+class Cell(BaseModel):
+    """One cell of the matrix; ``id`` is how the CLI and the tables name it."""
 
-FOOTPRINT_VARIANTS: tuple[tuple[str, float], ...] = (("peak", 90.0), ("mean", 50.0))
-"""Footprint estimators tried besides the default (peak, p50): the reference model's
-p90-of-peak underfill case and the time-average of a linearly growing session."""
+    model_config = _FROZEN
+    workload: WorkloadName
+    mixture: str = PAPER_MIXTURE
+    engines: int = Field(DEFAULT_ENGINES, ge=1)
+
+    @property
+    def id(self) -> str:
+        """``steady@paper:4``."""
+        return f"{self.workload.value}@{self.mixture}:{self.engines}"
+
+    @property
+    def reference(self) -> Cell:
+        """The cell the tuned-once values come from: steady, the paper's mixture, same engines."""
+        return Cell(workload=WorkloadName.STEADY, mixture=PAPER_MIXTURE, engines=self.engines)
+
+    @property
+    def is_reference(self) -> bool:
+        return self == self.reference
+
+
+_CELL_ID = re.compile(r"^(?P<workload>[a-z-]+)@(?P<mixture>[a-z0-9_-]+)(?::(?P<engines>\d+))?$")
+
+
+def _grid(per_engine: tuple[int, ...], engines: int) -> tuple[int, ...]:
+    return tuple(sorted({p * engines for p in per_engine}))
 
 
 class BenchSettings(BaseModel):
-    """Everything that shapes a benchmark run (the ``misat bench`` flags)."""
+    """Everything that shapes the benchmark (the ``misat bench`` flags)."""
 
     model_config = _FROZEN
-    engines: int = Field(DEFAULT_ENGINES, ge=1)
+    engines: int = Field(DEFAULT_ENGINES, ge=1, description="fleet of every cell but the large-fleet ones")
+    large_fleet_engines: tuple[int, ...] = LARGE_FLEET_ENGINES
+    large_fleet_mixtures: tuple[str, ...] = Field(
+        (PAPER_MIXTURE,), description="steady cells also run on the large fleets (each costs engines/4 x CPU)")
     profile: str = DEFAULT_PROFILE
-    seed: int = 0
-    duration_s: float = Field(480.0, gt=0, description="virtual seconds per continuous run")
-    warmup_s: float = Field(120.0, ge=0, description="virtual seconds excluded from rates")
-    ceilings: tuple[int, ...] = Field(
-        (96, 192, 256, 384, 512), min_length=1,
-        description="coarse grid of trainer ceilings for the oracle sweep (the last is also high-load "
-        "when equal to high_ceiling)",
-    )
-    other_ceilings: tuple[int, ...] | None = Field(
-        (96, 192, 384, 512),
-        description="grid for the workloads other than steady (None: ``ceilings``); coarser to save CPU",
-    )
-    refine_rounds: int = Field(0, ge=0, description="rounds of midpoints around the best sweep point")
-    high_ceiling: int = Field(
-        512, ge=1,
-        description="the ceiling MISA-T and high-load run at: 2-2.7x steady's knee on 4 engines (1024 costs "
-        "several times the CPU of a run below the knee, for the same conclusion)",
-    )
-    request_limits: tuple[int, ...] = Field(
-        (64, 128, 256), min_length=1,
-        description="router request limits swept on steady (trainer ceiling high)",
-    )
+    block_size: int = Field(
+        BENCH_BLOCK_SIZE, ge=1,
+        description="simulated tokens per KV block, for the engines and the router's index alike")
+    seed: int = Field(0, description="seed of a run that names none (the HTTP layer)")
+    seeds: tuple[int, ...] = Field(DEFAULT_SEEDS, min_length=1)
+    mixtures: tuple[str, ...] = Field(tuple(MIXTURE_FAMILY), min_length=1, description="steady cells' mixtures")
+    changing: tuple[WorkloadName, ...] = Field(
+        (*CHANGING_WORKLOADS, WorkloadName.ITERATIONS), description="workloads crossed with the paper's mixture")
+    policies: tuple[str, ...] = Field(DEFAULT_POLICIES, min_length=1)
+    steady_state: SteadyStateSettings = SteadyStateSettings()
+    duration_s: float = Field(480.0, gt=0, description="fixed-window runs (the HTTP layer's check): virtual s")
+    warmup_s: float = Field(120.0, ge=0, description="fixed-window runs: virtual seconds excluded")
+    ceilings_per_engine: tuple[int, ...] = Field(
+        (24, 48, 64, 96, 128), min_length=1,
+        description="coarse oracle grid, trainer ceiling per engine (x engines; 96..512 on 4 engines)")
+    high_per_engine: int = Field(
+        128, ge=1, description="the ceiling the policies under test and high-load run at, per engine (512 on 4: "
+        "2-2.7x steady's knee; 1024 costs several times the CPU for the same conclusion)")
+    request_limits_per_engine: tuple[int, ...] = Field(
+        (16, 32, 64), min_length=1, description="router request limits swept on steady@paper, per engine")
+    refine_max_points: int = Field(
+        12, ge=0, description="refined ceilings per cell and seed at most (each round adds <= 2; steps of 8 "
+        "from a grid step of 64 take 3 rounds)")
     iterations: int = Field(4, ge=1, description="iterations workload: weight updates")
     iteration_units_per_engine: int = Field(96, ge=1, description="iterations workload: units per engine")
-    workloads: tuple[WorkloadName, ...] = tuple(WorkloadName)
-    footprint_sensitivity: bool = True
+    drift_span_units_per_engine: int = Field(
+        100, ge=1, description="length-drift: outputs grow over this many released units per engine, then hold")
+    mix_shift_units_per_engine: int = Field(
+        100, ge=1, description="mix-shift: the target changes after this many released units per engine")
     balance_candidates: tuple[tuple[int, float], ...] = SMALL_FLEET_BALANCE
 
-    @property
-    def expected_units(self) -> float:
-        """Units a continuous run is expected to release (places phase changes only)."""
-        return UNITS_PER_ENGINE_MINUTE * self.engines * self.duration_s / 60.0
+    @model_validator(mode="after")
+    def _known_names(self) -> BenchSettings:
+        unknown = [m for m in (*self.mixtures, *self.large_fleet_mixtures) if m not in MIXTURE_FAMILY]
+        if unknown:
+            raise ValueError(f"unknown mixture {unknown[0]!r}; known: {', '.join(MIXTURE_FAMILY)}")
+        bad = [p for p in self.policies if p not in POLICY_VARIANTS]
+        if bad:
+            raise ValueError(f"unknown policy {bad[0]!r}; known: {', '.join(POLICY_VARIANTS)}")
+        return self
 
-    def engine_config(self) -> SimEngineConfig:
+    def engine_config(self, seed: int | None = None) -> SimEngineConfig:
         """The engines' config (each run builds fresh engines from it)."""
-        return SimEngineConfig(profile=self.profile, seed=self.seed)
+        return SimEngineConfig(profile=self.profile, seed=self.seed if seed is None else seed)
+
+    def ceilings(self, engines: int) -> tuple[int, ...]:
+        """The coarse grid on ``engines``, the high ceiling included."""
+        return tuple(sorted({*_grid(self.ceilings_per_engine, engines), self.high(engines)}))
+
+    def high(self, engines: int) -> int:
+        return self.high_per_engine * engines
+
+    def request_limits(self, engines: int) -> tuple[int, ...]:
+        return _grid(self.request_limits_per_engine, engines)
+
+    def cells(self) -> list[Cell]:
+        """The whole matrix, in the order the suite runs it (the reference cells first)."""
+        out = [Cell(workload=WorkloadName.STEADY, mixture=m, engines=self.engines) for m in self.mixtures]
+        for e in self.large_fleet_engines:
+            out += [Cell(workload=WorkloadName.STEADY, mixture=m, engines=e) for m in self.large_fleet_mixtures]
+        out += [Cell(workload=w, mixture=PAPER_MIXTURE, engines=self.engines) for w in self.changing]
+        return sorted(dict.fromkeys(out), key=lambda c: (not c.is_reference, c.engines))
 
 
 QUICK = BenchSettings(
-    engines=2, duration_s=300.0, warmup_s=60.0, ceilings=(32, 64, 128, 512), other_ceilings=None, refine_rounds=0,
-    high_ceiling=512, request_limits=(64, 128), iterations=2, iteration_units_per_engine=48,
-    workloads=(WorkloadName.STEADY, WorkloadName.KV_HALF), footprint_sensitivity=False,
+    engines=2, large_fleet_engines=(), seeds=(0, 1), mixtures=(PAPER_MIXTURE, "rlvr70"),
+    changing=(WorkloadName.MIX_SHIFT, WorkloadName.ITERATIONS), policies=(DEFAULT_POLICY, "misa-t"),
+    steady_state=SteadyStateSettings(window_s=20.0, warmup_factor=2.0, warmup_floor_s=40.0, min_class_samples=10,
+                                     measure_s=80.0, max_duration_s=400.0),
+    ceilings_per_engine=(16, 32), high_per_engine=64, request_limits_per_engine=(16,), refine_max_points=2,
+    iterations=2, iteration_units_per_engine=24, drift_span_units_per_engine=40, mix_shift_units_per_engine=40,
     balance_candidates=SMALL_FLEET_BALANCE[:1],
 )
-"""``--quick``: two engines, short runs, a coarse sweep on steady and kv-half."""
+"""``--quick``: every code path in minutes: 2 engines, 2 seeds, steady on two mixtures, mix-shift
+and iterations; a 3-point sweep refined once; a warm-up of 2x the median residency (not 5x) and
+20 s windows, still checked."""
 
 
-def _split_mixture(agentic: float) -> dict[RolloutClass, float]:
-    """A mixture with ``agentic`` percent agentic, RLVR:RLHF kept at the paper's ratio."""
-    rest = 100.0 - agentic
-    rlvr, rlhf = DEFAULT_MIXTURE_PERCENT[RolloutClass.RLVR], DEFAULT_MIXTURE_PERCENT[RolloutClass.RLHF]
-    return {
-        RolloutClass.AGENTIC: agentic,
-        RolloutClass.RLVR: rest * rlvr / (rlvr + rlhf),
-        RolloutClass.RLHF: rest * rlhf / (rlvr + rlhf),
-    }
+def parse_cells(text: str, s: BenchSettings) -> list[Cell]:
+    """``steady@paper,steady@rlvr70:16`` -> cells of the matrix (no engines: every fleet of it).
+
+    Names outside the matrix are refused with the list of known ones.
+    """
+    matrix = s.cells()
+    out: list[Cell] = []
+    for raw in (t.strip() for t in text.split(",")):
+        if not raw:
+            continue
+        m = _CELL_ID.match(raw)
+        if m is None:
+            raise ValueError(f"cell {raw!r} is not workload@mixture[:engines], e.g. steady@paper:4")
+        hits = [c for c in matrix if c.workload.value == m["workload"] and c.mixture == m["mixture"]
+                and (m["engines"] is None or c.engines == int(m["engines"]))]
+        if not hits:
+            raise ValueError(f"cell {raw!r} is not in the matrix; known: {', '.join(c.id for c in matrix)}")
+        out += [c for c in hits if c not in out]
+    return out
 
 
 class WorkloadCase(BaseModel):
-    """One workload of the suite: the spec every policy replays, plus its engines and mode."""
+    """One cell and seed: the spec every policy replays, plus its engines and mode."""
 
     model_config = _FROZEN
-    name: WorkloadName
+    cell: Cell
     spec: WorkloadSpec
     kv_factor: float = 1.0
     iterations: int = 0
@@ -218,45 +333,44 @@ class WorkloadCase(BaseModel):
     description: str = ""
 
 
-def workload_case(name: WorkloadName, s: BenchSettings) -> WorkloadCase:
-    """The seeded workload ``name`` under settings ``s`` (same seed for every policy)."""
-    seed = s.seed
-    if name is WorkloadName.STEADY:
-        return WorkloadCase(name=name, spec=WorkloadSpec(seed=seed), description="paper mixture, stationary")
-    if name is WorkloadName.LENGTH_DRIFT:
-        span = round(DRIFT_SPAN_FRACTION * s.expected_units)
-        return WorkloadCase(
-            name=name, spec=length_drift_spec(span=span, growth=DRIFT_GROWTH, seed=seed),
-            description=f"RLVR/RLHF outputs 1x -> {DRIFT_GROWTH:g}x over the first {span} units",
-        )
-    if name is WorkloadName.MIX_SHIFT:
-        at = round(MIX_SHIFT_FRACTION * s.expected_units)
-        # mix_shift_spec's own ``mixture`` argument is the one after the shift.
-        spec = WorkloadSpec(
-            seed=seed, mixture=_split_mixture(MIX_SHIFT_AGENTIC_BEFORE),
-            mixture_changes=mix_shift_spec(at, _split_mixture(MIX_SHIFT_AGENTIC_AFTER)).mixture_changes,
-        )
-        return WorkloadCase(
-            name=name, spec=spec,
-            description=f"agentic {MIX_SHIFT_AGENTIC_BEFORE:g}% -> {MIX_SHIFT_AGENTIC_AFTER:g}% at unit {at}",
-        )
-    if name is WorkloadName.KV_HALF:
-        return WorkloadCase(name=name, spec=WorkloadSpec(seed=seed), kv_factor=KV_HALF,
-                            description=f"steady on engines with {KV_HALF:g}x KV")
-    if name is WorkloadName.KV_DOUBLE:
-        return WorkloadCase(name=name, spec=WorkloadSpec(seed=seed), kv_factor=KV_DOUBLE,
-                            description=f"steady on engines with {KV_DOUBLE:g}x KV")
-    if name is WorkloadName.ITERATIONS:
-        units = s.iteration_units_per_engine * s.engines
-        return WorkloadCase(
-            name=name, spec=WorkloadSpec(seed=seed), iterations=s.iterations, iteration_units=units,
-            description=f"{s.iterations} iterations of {units} units, prefix caches reset between",
-        )
-    raise ValueError(f"unknown workload {name}")
+def workload_case(cell: Cell, s: BenchSettings, seed: int) -> WorkloadCase:
+    """The seeded workload of ``cell`` (same for every policy of the cell and seed)."""
+    mixture = MIXTURE_FAMILY[cell.mixture]
+    base = WorkloadSpec(seed=seed, mixture=dict(mixture))
+    w = cell.workload
+    if w is WorkloadName.STEADY:
+        return WorkloadCase(cell=cell, spec=base, description=f"{cell.mixture} mixture, stationary")
+    if w is WorkloadName.LENGTH_DRIFT:
+        span = s.drift_span_units_per_engine * cell.engines
+        spec = length_drift_spec(span=span, growth=DRIFT_GROWTH, seed=seed, mixture=dict(mixture))
+        return WorkloadCase(cell=cell, spec=spec,
+                            description=f"RLVR/RLHF outputs 1x -> {DRIFT_GROWTH:g}x over the first {span} units")
+    if w is WorkloadName.MIX_SHIFT:
+        at = s.mix_shift_units_per_engine * cell.engines
+        spec = base.model_copy(update={"mixture_changes": mix_shift_spec(at, dict(MIX_SHIFT_AFTER)).mixture_changes})
+        return WorkloadCase(cell=cell, spec=spec, description=(
+            f"{cell.mixture} mixture, agentic {MIX_SHIFT_AFTER[RolloutClass.AGENTIC]:g}% from unit {at}"))
+    if w is WorkloadName.KV_HALF:
+        return WorkloadCase(cell=cell, spec=base, kv_factor=KV_HALF,
+                            description=f"steady, engines with {KV_HALF:g}x KV")
+    if w is WorkloadName.KV_DOUBLE:
+        return WorkloadCase(cell=cell, spec=base, kv_factor=KV_DOUBLE,
+                            description=f"steady, engines with {KV_DOUBLE:g}x KV")
+    if w is WorkloadName.ITERATIONS:
+        units = s.iteration_units_per_engine * cell.engines
+        return WorkloadCase(cell=cell, spec=base, iterations=s.iterations, iteration_units=units,
+                            description=f"{s.iterations} iterations of {units} units, prefix caches reset between")
+    raise ValueError(f"unknown workload {w}")
 
 
 class RunSpec(BaseModel):
-    """One run of the cluster layer: a workload, a policy, a trainer ceiling."""
+    """One run of the cluster layer: a cell, a seed, a policy, a trainer ceiling.
+
+    ``mixture``, ``engines`` and ``seed`` default to the paper's, ``BenchSettings.engines`` and
+    ``BenchSettings.seed``; ``steady_state`` False measures the fixed window
+    ``[warmup_s, duration_s]`` (the HTTP layer's check; its start rounded up to a whole
+    ``window_s``), True the steady-state window of ``misat_bench.steady_state``.
+    """
 
     model_config = _FROZEN
     workload: WorkloadName
@@ -264,30 +378,52 @@ class RunSpec(BaseModel):
     policy: PolicySettings
     ceiling: int = Field(ge=1)
     label: str
+    mixture: str = PAPER_MIXTURE
+    engines: int | None = None
+    seed: int | None = None
+    steady_state: bool = False
+    variant: str = Field("", description="policy variant name (Baseline.POLICY)")
 
     @property
-    def router(self) -> Literal["cache-aware", "misat"]:
+    def router(self) -> str:
         """Which side of the comparison the run is on."""
         return "cache-aware" if self.policy.name is PolicyName.CACHE_AWARE else "misat"
 
+    def cell(self, s: BenchSettings) -> Cell:
+        return Cell(workload=self.workload, mixture=self.mixture, engines=self.engines or s.engines)
+
+    def seed_of(self, s: BenchSettings) -> int:
+        return s.seed if self.seed is None else self.seed
+
     def key(self, s: BenchSettings) -> str:
         """A digest of everything that determines the result (cache key)."""
-        cfg = cluster_config(self, s)
-        blob = json.dumps(cfg.model_dump(mode="json"), sort_keys=True)
+        payload: dict[str, object] = {"cluster": cluster_config(self, s).model_dump(mode="json")}
+        if self.steady_state:
+            payload["steady_state"] = s.steady_state.model_dump(mode="json")
+        blob = json.dumps(payload, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
 def cluster_config(run: RunSpec, s: BenchSettings) -> ClusterConfig:
-    """The ``ClusterConfig`` of a run: fresh engines, the workload's seeded spec."""
-    case = workload_case(run.workload, s)
-    engine = s.engine_config()
+    """The ``ClusterConfig`` of a run: fresh engines, the cell's seeded spec.
+
+    A steady-state run's duration is the cap (``max_duration_s``): it stops earlier once
+    converged (``misat_bench.cluster_runs.BenchCluster``).
+    """
+    cell, seed = run.cell(s), run.seed_of(s)
+    case = workload_case(cell, s, seed)
+    engine = s.engine_config(seed)
     if case.kv_factor != 1.0:
         blocks = engine.resolve().num_gpu_blocks
         engine = engine.model_copy(update={"num_gpu_blocks": max(2, round(blocks * case.kv_factor))})
+    if run.steady_state:
+        duration, warmup = s.steady_state.max_duration_s, s.steady_state.warmup_floor_s
+    else:
+        duration, warmup = s.duration_s, s.warmup_s
     return ClusterConfig(
-        engines=s.engines, engine=engine, policy=run.policy, workload=case.spec, ceiling=run.ceiling,
-        duration_s=s.duration_s, warmup_s=s.warmup_s, iterations=case.iterations,
-        iteration_units=case.iteration_units,
+        engines=cell.engines, engine=engine, policy=run.policy, workload=case.spec, ceiling=run.ceiling,
+        duration_s=duration, warmup_s=warmup, iterations=case.iterations, iteration_units=case.iteration_units,
+        block_size=s.block_size,
     )
 
 
@@ -298,18 +434,23 @@ def cache_aware(limit: int | None = None, balance: tuple[int, float] | None = No
     return PolicySettings(name=PolicyName.CACHE_AWARE, concurrency_limit=limit, cache_aware=ca)
 
 
-def sweep_run(w: WorkloadName, ceiling: int) -> RunSpec:
-    """One point of a workload's oracle sweep."""
-    return RunSpec(workload=w, baseline=Baseline.SWEEP, policy=cache_aware(), ceiling=ceiling,
-                   label=f"cache_aware @{ceiling}")
+def _spec(cell: Cell, seed: int, baseline: Baseline, policy: PolicySettings, ceiling: int, label: str,
+          variant: str = "") -> RunSpec:
+    return RunSpec(workload=cell.workload, mixture=cell.mixture, engines=cell.engines, seed=seed, baseline=baseline,
+                   policy=policy, ceiling=ceiling, label=label, steady_state=True, variant=variant)
 
 
-def refine_ceilings(points: dict[int, float], rounds_left: int = 1) -> list[int]:
+def sweep_run(cell: Cell, seed: int, ceiling: int) -> RunSpec:
+    """One point of a cell's oracle sweep."""
+    return _spec(cell, seed, Baseline.SWEEP, cache_aware(), ceiling, f"cache_aware @{ceiling}")
+
+
+def refine_ceilings(points: Mapping[int, float], rounds_left: int = 1) -> list[int]:
     """Ceilings to add around the best sweep point: midpoints to its neighbours.
 
-    ``points`` maps ceiling -> sample rate. Midpoints are rounded to
-    ``CEILING_ROUNDING``; ones already swept (or equal to a neighbour) are
-    skipped, so refinement stops by itself once the grid is as fine as that.
+    ``points`` maps ceiling -> rate. Midpoints are rounded to ``CEILING_ROUNDING``; ones
+    already swept (or equal to a neighbour) are skipped, so refinement stops by itself once
+    the grid around the best point is as fine as that.
     """
     if rounds_left <= 0 or not points:
         return []
@@ -325,63 +466,154 @@ def refine_ceilings(points: dict[int, float], rounds_left: int = 1) -> list[int]
     return out
 
 
-def pick_oracle(points: dict[int, float]) -> int:
-    """The best ceiling of a sweep: highest sample rate; ties go to the lower ceiling."""
+def pick_oracle(points: Mapping[int, float]) -> int:
+    """The best ceiling of a sweep: highest rate; ties go to the lower ceiling."""
     if not points:
         raise ValueError("empty sweep")
     return max(sorted(points), key=lambda c: (points[c], -c))
 
 
-def fixed_runs(s: BenchSettings) -> list[RunSpec]:
-    """Runs that depend on no earlier result: coarse sweeps, high-load, MISA-T modes, steady request limits."""
-    runs: list[RunSpec] = []
-    for w in s.workloads:
-        base = s.ceilings if w is WorkloadName.STEADY or s.other_ceilings is None else s.other_ceilings
-        grid = sorted(set(base) | {s.high_ceiling})
-        runs.extend(sweep_run(w, c) for c in grid)
-        for mode in MISAT_MODES:
-            runs.append(RunSpec(workload=w, baseline=mode, policy=PolicySettings(name=_MODE_POLICY[mode]),
-                                ceiling=s.high_ceiling, label=f"{mode.value} @{s.high_ceiling}"))
-    if WorkloadName.STEADY in s.workloads:
-        for limit in s.request_limits:
-            runs.append(RunSpec(workload=WorkloadName.STEADY, baseline=Baseline.REQUEST_LIMIT,
-                                policy=cache_aware(limit=limit), ceiling=s.high_ceiling,
-                                label=f"cache_aware limit {limit} @{s.high_ceiling}"))
-        if s.footprint_sensitivity:
-            for stat, pct in FOOTPRINT_VARIANTS:
-                fp = FootprintSettings(statistic=stat, percentile=pct)
-                runs.append(RunSpec(workload=WorkloadName.STEADY, baseline=Baseline.FOOTPRINT,
-                                    policy=PolicySettings(name=PolicyName.MISA_T, footprint=fp),
-                                    ceiling=s.high_ceiling, label=f"misa-t {stat} p{pct:g} @{s.high_ceiling}"))
-    return runs
+def best_on_mean(per_seed: Mapping[int, Mapping[int, float]]) -> int | None:
+    """The value (ceiling, limit) with the best mean rate over seeds, among those every seed ran."""
+    if not per_seed:
+        return None
+    common = set.intersection(*(set(p) for p in per_seed.values()))
+    if not common:
+        return None
+    means = {v: statistics.fmean(p[v] for p in per_seed.values()) for v in common}
+    return pick_oracle(means)
 
 
-def run_priority(run: RunSpec) -> int:
-    """Order of the fixed runs when CPU is short: steady first, then every workload's sweep and
-    MISA-T, then the ablations (a partial suite is then still a full comparison)."""
-    if run.workload is WorkloadName.STEADY:
-        return 0
-    return {Baseline.SWEEP: 1, Baseline.MISA_T: 1, Baseline.SESSION_ADMISSION: 2}.get(run.baseline, 3)
+RateOf = Callable[[RunSpec], float | None]
+"""The headline rate of a run if it is known (a cache or a finished stage), else None."""
 
 
-def tuned_runs(s: BenchSettings, oracle: dict[WorkloadName, int], steady_limit: int | None,
-               steady_balance: tuple[int, float] | None) -> list[RunSpec]:
-    """Runs that need steady's tuned values: tuned-once, request-limit and balance elsewhere."""
-    runs: list[RunSpec] = []
-    steady = oracle.get(WorkloadName.STEADY)
-    for w in s.workloads:
-        if steady is not None and w is not WorkloadName.STEADY:
-            runs.append(RunSpec(workload=w, baseline=Baseline.TUNED_ONCE, policy=cache_aware(), ceiling=steady,
-                                label=f"cache_aware @{steady} (tuned on steady)"))
-        if steady_limit is not None and w is not WorkloadName.STEADY:
-            runs.append(RunSpec(workload=w, baseline=Baseline.REQUEST_LIMIT, policy=cache_aware(limit=steady_limit),
-                                ceiling=s.high_ceiling,
-                                label=f"cache_aware limit {steady_limit} @{s.high_ceiling} (tuned on steady)"))
-        if w in oracle:
-            candidates = s.balance_candidates if w is WorkloadName.STEADY else (
-                (steady_balance,) if steady_balance is not None else ())
-            for bal in candidates:
-                runs.append(RunSpec(workload=w, baseline=Baseline.BALANCE_SMALL, policy=cache_aware(balance=bal),
-                                    ceiling=oracle[w],
-                                    label=f"cache_aware @{oracle[w]} balance {bal[0]}/{bal[1]:g}"))
-    return runs
+class Plan(BaseModel):
+    """What the planner knows: every run it can name now, and the values tuned on the reference cells."""
+
+    model_config = ConfigDict(extra="forbid")
+    runs: list[RunSpec] = Field(default_factory=list)
+    tuned: dict[str, dict[str, object]] = Field(default_factory=dict, description="reference cell id -> values")
+
+
+def plan_suite(s: BenchSettings, rate: RateOf, cells: list[Cell] | None = None,
+               policies: tuple[str, ...] | None = None) -> Plan:
+    """Every run derivable from what is known (``rate``): call again after running the unknown ones.
+
+    Stages per cell and seed: the coarse sweep and the policies under test; then the sweep's
+    refinement around that seed's best point; once the reference cell (steady@paper, same
+    engines) is refined on every seed, the tuned-once ceiling, request limit and balance pair
+    it chose (best mean over seeds) are run on every other cell. A selected cell brings its
+    reference cell's sweep, request-limit sweep and balance runs along.
+    """
+    chosen = cells if cells is not None else s.cells()
+    names = policies if policies is not None else s.policies
+    refs = list(dict.fromkeys(c.reference for c in chosen))
+    plan = Plan()
+    done_sweep: dict[Cell, bool] = {}
+    oracle_ceiling: dict[Cell, int] = {}
+    for cell in list(dict.fromkeys([*refs, *chosen])):
+        complete = True
+        per_seed: dict[int, dict[int, float]] = {}
+        for seed in s.seeds:
+            points, more = _sweep(cell, seed, s, rate, plan)
+            complete = complete and not more
+            per_seed[seed] = points
+        done_sweep[cell] = complete
+        best = best_on_mean(per_seed) if complete else None
+        if best is not None:
+            oracle_ceiling[cell] = best
+        if cell in chosen:
+            high = s.high(cell.engines)
+            for seed in s.seeds:
+                for name in names:
+                    plan.runs.append(_spec(cell, seed, Baseline.POLICY, POLICY_VARIANTS[name], high,
+                                           f"{name} @{high}", variant=name))
+    for ref in refs:
+        high = s.high(ref.engines)
+        limits: dict[int, dict[int, float]] = {}
+        for seed in s.seeds:
+            for lim in s.request_limits(ref.engines):
+                spec = _spec(ref, seed, Baseline.REQUEST_LIMIT, cache_aware(limit=lim), high,
+                             f"cache_aware limit {lim} @{high}")
+                plan.runs.append(spec)
+                r = rate(spec)
+                if r is not None:
+                    limits.setdefault(seed, {})[lim] = r
+        tuned: dict[str, object] = {}
+        if done_sweep.get(ref) and ref in oracle_ceiling:
+            tuned["ceiling"] = oracle_ceiling[ref]
+        if len(limits) == len(s.seeds):
+            tuned["request_limit"] = best_on_mean(limits)
+        if ref in oracle_ceiling:
+            bal: dict[int, dict[int, float]] = {}
+            for seed in s.seeds:
+                for i, pair in enumerate(s.balance_candidates):
+                    spec = _balance(ref, seed, pair, oracle_ceiling[ref])
+                    plan.runs.append(spec)
+                    r = rate(spec)
+                    if r is not None:
+                        bal.setdefault(seed, {})[i] = r
+            if len(bal) == len(s.seeds):
+                best_i = best_on_mean(bal)
+                if best_i is not None:
+                    tuned["balance"] = list(s.balance_candidates[best_i])
+        plan.tuned[ref.id] = tuned
+    for cell in chosen:
+        if cell.is_reference:
+            continue
+        tuned = plan.tuned.get(cell.reference.id, {})
+        high = s.high(cell.engines)
+        for seed in s.seeds:
+            c = tuned.get("ceiling")
+            if isinstance(c, int):
+                plan.runs.append(_spec(cell, seed, Baseline.TUNED_ONCE, cache_aware(), c,
+                                       f"cache_aware @{c} (tuned on {cell.reference.id})"))
+            tuned_limit = tuned.get("request_limit")
+            if isinstance(tuned_limit, int):
+                plan.runs.append(_spec(cell, seed, Baseline.REQUEST_LIMIT, cache_aware(limit=tuned_limit), high,
+                                       f"cache_aware limit {tuned_limit} @{high} (tuned on {cell.reference.id})"))
+            tuned_pair = tuned.get("balance")
+            if isinstance(tuned_pair, list) and cell in oracle_ceiling:
+                pair = (int(tuned_pair[0]), float(tuned_pair[1]))
+                plan.runs.append(_balance(cell, seed, pair, oracle_ceiling[cell]))
+    return plan
+
+
+def _balance(cell: Cell, seed: int, pair: tuple[int, float], ceiling: int) -> RunSpec:
+    return _spec(cell, seed, Baseline.BALANCE_SMALL, cache_aware(balance=pair), ceiling,
+                 f"cache_aware @{ceiling} balance {pair[0]}/{pair[1]:g}")
+
+
+def _sweep(cell: Cell, seed: int, s: BenchSettings, rate: RateOf, plan: Plan) -> tuple[dict[int, float], bool]:
+    """Add the cell's sweep for ``seed`` to ``plan``; returns the known points and whether more are to come."""
+    coarse = s.ceilings(cell.engines)
+    points: dict[int, float] = {}
+    pending = False
+    for c in coarse:
+        spec = sweep_run(cell, seed, c)
+        plan.runs.append(spec)
+        r = rate(spec)
+        if r is None:
+            pending = True
+        else:
+            points[c] = r
+    if pending:
+        return points, True
+    refined = 0
+    while refined < s.refine_max_points:
+        extra = refine_ceilings(points)[: s.refine_max_points - refined]
+        if not extra:
+            break
+        for c in extra:
+            spec = sweep_run(cell, seed, c)
+            plan.runs.append(spec)
+            r = rate(spec)
+            if r is None:
+                pending = True
+            else:
+                points[c] = r
+        refined += len(extra)
+        if pending:
+            return points, True
+    return points, False

@@ -18,6 +18,7 @@ import hashlib
 import secrets
 import subprocess
 import sys
+import tempfile
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +38,7 @@ from misat_router.policy.settings import PolicyName
 from misat_router.server import LISTEN_BACKLOG, SERVER_OPTIONS
 
 from .processes import ProcessStartError, free_port, start_process, stop_processes, wait_http_ok
+from .shards import ShardsError, shard_set, sharded_config
 
 ENGINE_START_TIMEOUT_S = 60.0
 """How long a simulated engine may take to answer /health after its process starts."""
@@ -212,6 +214,13 @@ class LocalPool:
     warnings: list[str] = field(default_factory=list)
     """What a person should know at start (e.g. a given engine URL that does not answer)."""
     client: RouterClient = field(default_factory=RouterClient)
+    shard_urls: list[str] = field(default_factory=list)
+    """With router shards: each shard's own address (admin calls go to every one; router_url is the
+    proxy in front of them)."""
+
+    @property
+    def admin_urls(self) -> list[str]:
+        return self.shard_urls or [self.router_url]
 
     async def reload(self, manifest: Path) -> str:
         """Re-read the manifest and push the new admission settings (the operator's hot-reload path)."""
@@ -219,10 +228,17 @@ class LocalPool:
         if spec.engines != self.spec.engines or spec.model != self.spec.model:
             raise PoolError("engine or model changes need a restart of `misat up` (on Kubernetes the "
                             "operator rolls the engines); admission, workload and budget changes apply live")
+        if spec.router.shards != self.spec.router.shards:
+            raise PoolError("a change of router.shards needs a restart of `misat up` (on Kubernetes the "
+                            "operator rolls the routers)")
         config = render_local_config(name, spec, self.engine_urls, self.config.generation + 1,
                                      policy=self.policy_override, length_scale=self.length_scale)
+        if self.config.shards is not None:
+            config = sharded_config(config, list(self.config.shards.peers), **self.config.shards.model_dump(
+                exclude={"peers"}))
         try:
-            result = await self.client.push_config(self.router_url, self.admin_token, config)
+            for url in self.admin_urls:
+                result = await self.client.push_config(url, self.admin_token, config)
         except RouterUnavailable as exc:
             raise PoolError(f"the router refused the new settings, the old ones stay: {exc}") from None
         changes = manifest_changes(self.spec, spec)
@@ -274,8 +290,10 @@ async def local_pool(
     port: int = 0,
     policy: PolicyName | None = None,
     log_dir: Path | None = None,
+    shards: int | None = None,
 ) -> AsyncIterator[LocalPool]:
-    """Start engines (unless given) and the router; stop everything on exit."""
+    """Start engines (unless given) and the router; stop everything on exit. ``shards`` (default:
+    the manifest's router.shards): above 1, that many ``misat router`` processes behind HAProxy."""
     name, spec = load_manifest(manifest)
     engines: list[SimEngineProcess] = []
     length_scale = 1.0
@@ -292,9 +310,27 @@ async def local_pool(
     else:
         unreachable = await unreachable_engines(engine_urls)
     runner: web.AppRunner | None = None
+    n_shards = shards if shards is not None else spec.router.shards
     try:
         config = render_local_config(name, spec, engine_urls, 1, policy=policy, length_scale=length_scale)
         token = secrets.token_urlsafe(24)
+        if n_shards > 1:
+            if n_shards > len(engine_urls):
+                raise PoolError(f"{n_shards} router shards for {len(engine_urls)} engines: a shard owns engines, "
+                                "and one without any could only hold its sessions' requests")
+            workdir = log_dir / "shards" if log_dir is not None else Path(tempfile.mkdtemp(prefix="misat-shards-"))
+            try:
+                async with shard_set(config, n_shards, workdir, host=host, proxy_port=port,
+                                     admin_token=token) as ss:
+                    pool = LocalPool(name, spec, ss.proxy_url, token, engine_urls, ss.config, length_scale, policy,
+                                     simulated=bool(engines), warnings=unreachable, shard_urls=ss.shard_urls)
+                    try:
+                        yield pool
+                    finally:
+                        await pool.client.close()
+            except ShardsError as exc:
+                raise PoolError(str(exc)) from None
+            return
         # Served exactly as `misat router` serves it.
         runner = web.AppRunner(create_app(config, admin_token=token), **SERVER_OPTIONS)  # type: ignore[arg-type]
         await runner.setup()

@@ -93,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="write the router's admin token to this file (mode 0600) instead of printing it")
     ap.add_argument("--policy", choices=[p.value for p in PolicyName],
                     help="override spec.admission.policy (e.g. to compare with cache-aware)")
+    ap.add_argument("--shards", type=int, default=None,
+                    help="router shards (default: spec.router.shards); above 1, that many `misat router` "
+                    "processes behind the real haproxy binary at --port, hashing X-Session-Id")
     return ap
 
 
@@ -103,13 +106,16 @@ async def serve(args: argparse.Namespace, console: Console) -> None:
         loop.add_signal_handler(sig, stop.set)
     async with local_pool(args.filename, engine_urls=args.engine_url, profile=args.profile,
                           time_scale=args.time_scale, host=args.host, port=args.port,
-                          policy=PolicyName(args.policy) if args.policy else None) as pool:
+                          policy=PolicyName(args.policy) if args.policy else None, shards=args.shards) as pool:
         console.print(f"[bold green]RolloutPool {pool.name!r} is up[/]: router at [bold]{pool.router_url}[/] "
                       f"(OpenAI API under /v1, status at /status), policy {pool.config.policy.name.value}, "
                       f"{len(pool.engine_urls)} engine(s): {', '.join(pool.engine_urls)}")
         for line in pool.warnings:
             console.print(f"[bold yellow]warning:[/] engine {line}", highlight=False, soft_wrap=True)
-        for line in admin_token_lines(pool.router_url, pool.admin_token, args.admin_token_file):
+        if pool.shard_urls:
+            console.print(f"{len(pool.shard_urls)} router shards behind haproxy: {', '.join(pool.shard_urls)} "
+                          "(admin calls go to each shard; the proxy refuses them)", highlight=False)
+        for line in admin_token_lines(pool.admin_urls[0], pool.admin_token, args.admin_token_file):
             console.print(line, highlight=False, soft_wrap=True)
         console.print(f"Watching {args.filename} for admission changes. Ctrl-C stops everything.")
         tasks = [asyncio.create_task(watch_manifest(pool, args.filename, console.print))]

@@ -78,12 +78,16 @@ from .status import (
     Cond,
     Observed,
     Pending,
+    ShardReading,
     Stall,
+    combine_shards,
     deployment_ready,
     merge_conditions,
     now_iso,
     pool_conditions,
     router_view,
+    shards_error,
+    shards_view,
     stalled_conditions,
     transitions,
     weight_versions,
@@ -99,7 +103,9 @@ RETIRED_FINALIZER = "kopf.zalando.org/KopfFinalizerMarker"
 """kopf's default, added by earlier versions for their status timer; removed on sight."""
 EVENT_MESSAGE_LIMIT = 1024
 """Longest Event message written (the API server truncates longer ones anyway)."""
-CHILD_RESOURCES = (("apps", "v1", "deployments"), ("", "v1", "services"), ("", "v1", "configmaps"))
+CHILD_RESOURCES = (
+    ("apps", "v1", "deployments"), ("apps", "v1", "statefulsets"), ("", "v1", "services"), ("", "v1", "configmaps"),
+)
 """Watched children (Secrets are repaired by the resync tick; see the module docstring)."""
 
 
@@ -232,47 +238,85 @@ async def _admin_token(kube: KubeClient, names: PoolNames) -> str | None:
     return token_from_secret(secret) if secret else None
 
 
-async def push_config(rt: Runtime, ref: PoolRef, port: int, token: str, config: RouterConfig) -> str | None:
-    """Push the config to the router; returns the error text, or None when the router took it."""
-    url = rt.settings.router_base_url(ref.name, ref.namespace, port)
-    try:
-        await rt.router.push_config(url, token, config)
-    except RouterUnavailable as exc:
-        return str(exc)
-    return None
+def router_urls(rt: Runtime, ref: PoolRef, pool: RolloutPoolSpec) -> list[str]:
+    """Where the router's admin API and /status are: the router Service, or each shard's own pod
+    (admin calls change one router's state, so with shards every one of them is called)."""
+    port = pool.router.port
+    if pool.router.shards > 1:
+        return [rt.settings.shard_base_url(ref.name, ref.namespace, port, i) for i in range(pool.router.shards)]
+    return [rt.settings.router_base_url(ref.name, ref.namespace, port)]
+
+
+async def push_config(
+    rt: Runtime, ref: PoolRef, pool: RolloutPoolSpec, token: str, config: RouterConfig
+) -> str | None:
+    """Push the config to the router (every shard); returns the error text, or None when all took it."""
+    errors = []
+    urls = router_urls(rt, ref, pool)
+    for i, url in enumerate(urls):
+        try:
+            await rt.router.push_config(url, token, config)
+        except RouterUnavailable as exc:
+            errors.append(f"shard {i}: {exc}" if len(urls) > 1 else str(exc))
+    return "; ".join(errors) or None
+
+
+async def shard_readings(rt: Runtime, ref: PoolRef, pool: RolloutPoolSpec) -> list[ShardReading]:
+    """Each shard's /status (router.shards > 1), read concurrently."""
+    async def read(i: int, url: str) -> ShardReading:
+        try:
+            return ShardReading(i, url, await rt.router.status(url))
+        except RouterUnavailable as exc:
+            return ShardReading(i, url, None, str(exc))
+
+    return list(await asyncio.gather(*(read(i, u) for i, u in enumerate(router_urls(rt, ref, pool)))))
 
 
 async def router_status(rt: Runtime, ref: PoolRef, pool: RolloutPoolSpec) -> tuple[RouterStatus | None, str | None]:
+    """The router's /status; with shards, their combined view (``status.combine_shards``)."""
     if not pool.router.replicas:
         return None, None
+    if pool.router.shards > 1:
+        readings = await shard_readings(rt, ref, pool)
+        return combine_shards(readings), shards_error(readings)
     try:
         return await rt.router.status(rt.settings.router_base_url(ref.name, ref.namespace, pool.router.port)), None
     except RouterUnavailable as exc:
         return None, str(exc)
 
 
-async def observe(rt: Runtime, ref: PoolRef, pool: RolloutPoolSpec) -> tuple[Observed, dict[str, Any] | None]:
-    """One snapshot: both Deployments' readiness and the router's /status (None if unreachable)."""
+async def observe(
+    rt: Runtime, ref: PoolRef, pool: RolloutPoolSpec
+) -> tuple[Observed, dict[str, Any] | None, list[ShardReading] | None]:
+    """One snapshot: the engines' and the router's (or shards') readiness and the router's /status
+    (None if unreachable); with shards, each shard's reading too."""
     kube = rt.kube_client()
     names = ref.names
+    sharded = pool.router.shards > 1
     engines = await kube.get("apps/v1", "Deployment", ref.namespace, names.engines)
-    router = await kube.get("apps/v1", "Deployment", ref.namespace, names.router)
-    status, error = await router_status(rt, ref, pool)
+    router = await kube.get("apps/v1", "StatefulSet" if sharded else "Deployment", ref.namespace, names.router)
+    readings = None
+    if sharded and pool.router.replicas:
+        readings = await shard_readings(rt, ref, pool)
+        status, error = combine_shards(readings), shards_error(readings)
+    else:
+        status, error = await router_status(rt, ref, pool)
     obs = Observed(
         generation=ref.generation,
         engines_desired=pool.engines.managed_replicas,
         engines_ready=deployment_ready(engines),
-        router_desired=pool.router.replicas,
+        router_desired=pool.router.shards if sharded else pool.router.replicas,
         router_ready_replicas=deployment_ready(router),
         router=status,
         router_error=error,
     )
-    return obs, router_view(status) if status is not None else None
+    return obs, router_view(status) if status is not None else None, readings
 
 
 def build_status(
     rt: Runtime, ref: PoolRef, pool: RolloutPoolSpec, obs: Observed, view: dict[str, Any] | None,
     push_error: str | None, conds: list[Cond], drain: dict[str, Any] | None,
+    readings: list[ShardReading] | None = None,
 ) -> dict[str, Any]:
     """Everything the status shows from one observation (a merge patch of .status)."""
     names = ref.names
@@ -294,6 +338,7 @@ def build_status(
         "readyReplicas": obs.router_ready_replicas,
         "healthyEngines": obs.router.healthy_engines if obs.router else None,
         "url": names.router_url(pool.router.port, rt.settings.cluster_domain),
+        "shards": shards_view(readings) if readings is not None else None,
     }
     out["config"] = {
         "desiredGeneration": ref.generation,
@@ -440,6 +485,8 @@ async def _converge(rt: Runtime, mem: PoolMemory, ref: PoolRef, spec: Any) -> No
     # -- apply, in order ----------------------------------------------------------------------------
     if plan.release:
         await _mark_departing(rt, ref, pool, plan.release)
+    if pool.router.shards == 1 and _was_sharded(mem.body):
+        await _retire_shards(rt, ref)
     for obj in desired.objects():
         if obj is desired.config_map:
             obj = build_config_map(ref, config)
@@ -456,15 +503,15 @@ async def _converge(rt: Runtime, mem: PoolMemory, ref: PoolRef, spec: Any) -> No
     push_error = None
     pushed = False
     if pool.router.replicas and (before is None or before.config_hash != config.config_hash()):
-        push_error = await push_config(rt, ref, pool.router.port, token, config)
+        push_error = await push_config(rt, ref, pool, token, config)
         pushed = push_error is None
 
     await _finish_drain(rt, mem, ref, plan)
-    obs, view = await observe(rt, ref, pool)
+    obs, view, readings = await observe(rt, ref, pool)
     pending = _pending(pool, port, recreate, plan, mem.drain)
     conds = pool_conditions(obs, pending)
     drain = drain_to_status(mem.drain, plan.sessions_left) if mem.drain else None
-    await write_status(rt, mem, ref, build_status(rt, ref, pool, obs, view, push_error, conds, drain))
+    await write_status(rt, mem, ref, build_status(rt, ref, pool, obs, view, push_error, conds, drain, readings))
     if pushed and plan.drain is not None and not plan.release:
         mem.dirty = True  # the router took the drain list: the next pass can see it acknowledged
 
@@ -501,6 +548,26 @@ def _pending(
             blocks_ready=False,
         ))
     return out
+
+
+def _was_sharded(body: Mapping[str, Any]) -> bool:
+    """The last status written shows router shards (so their StatefulSet and proxy may run)."""
+    router = ((body.get("status") or {}).get("router")) or {}
+    return bool(router.get("shards"))
+
+
+async def _retire_shards(rt: Runtime, ref: PoolRef) -> None:
+    """Back to one router: the shards and their proxy go to 0 replicas (kept, as the router
+    Deployment is kept at 0 while sharded; never two admitting routers for the same engines)."""
+    kube = rt.kube_client()
+    names = ref.names
+    for kind, name in (("StatefulSet", names.router), ("Deployment", names.router_proxy)):
+        obj = await kube.get("apps/v1", kind, ref.namespace, name)
+        mine = obj is not None and any(
+            o.get("uid") == ref.uid for o in (obj.get("metadata") or {}).get("ownerReferences") or ()
+        )
+        if mine and obj is not None and (obj.get("spec") or {}).get("replicas"):
+            await kube.patch("apps/v1", kind, ref.namespace, name, {"spec": {"replicas": 0}})
 
 
 async def _mark_departing(rt: Runtime, ref: PoolRef, pool: RolloutPoolSpec, engines: tuple[str, ...]) -> None:

@@ -36,6 +36,7 @@ _PATHS = {
     ("v1", "ConfigMap"): "configmaps",
     ("v1", "Service"): "services",
     ("apps/v1", "Deployment"): "deployments",
+    ("apps/v1", "StatefulSet"): "statefulsets",
     ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
     ("v1", "Pod"): "pods",
 }

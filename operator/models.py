@@ -523,13 +523,33 @@ ROUTER_DEFAULT_LIMITS: dict[str, str] = {"cpu": "2", "memory": "2Gi"}
 process; 2 Gi holds the prefix index of a large pool). Explicit limits replace these per key."""
 
 
+HAPROXY_IMAGE = "haproxy:2.6"
+"""The shard proxy's image: the official HAProxy image of the 2.6 long-term branch, the version
+the proxy configuration (operator/haproxy.py) is written and tested against."""
+MAX_SHARDS = 64
+"""Most router shards one pool may have (a StatefulSet of this many pods; far beyond one
+router's measured throughput times any engine pool's need, docs/scale.md)."""
+
+
 class RouterSpec(PodSettings):
-    """The MISA-T router: one pod holding the admission state, behind a Service."""
+    """The MISA-T router: one pod holding the admission state, behind a Service; or ``shards``
+    routers, each owning a disjoint subset of the engines, behind a session-hashing HAProxy."""
 
     replicas: int = Field(
         1, ge=0, le=1,
         description="0 or 1. Admission state (sessions, caps, held work) lives in the router "
-        "process, so two routers would each admit against the same engines.",
+        "process, so two routers would each admit against the same engines; scale out with shards.",
+    )
+    shards: int = Field(
+        1, ge=1, le=MAX_SHARDS,
+        description="Router shards. 1: one router Deployment. Above 1: a StatefulSet of this many "
+        "routers, each owning a disjoint, stable subset of the engines (re-homed when a shard is down), "
+        "behind an HAProxy Deployment hashing X-Session-Id (docs/router.md, Router shards). Needs "
+        "replicas 1 and at most as many shards as engines.",
+    )
+    proxy_image: str = Field(
+        HAPROXY_IMAGE, min_length=1, max_length=1024, pattern=r"^\S+$",
+        description="Image of the shard proxy (shards > 1); its config is written for HAProxy 2.6.",
     )
     image: str = Field(ROUTER_IMAGE, min_length=1, max_length=1024, pattern=r"^\S+$")
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
@@ -559,6 +579,9 @@ class RouterSpec(PodSettings):
         if self.shutdown.drain_seconds is not None:
             problems.append((".shutdown.drainSeconds", "applies to engines only (the router drains for its "
                                                        "drainTimeoutS)"))
+        if self.shards > 1 and self.replicas != 1:
+            problems.append((".shards", f"{self.shards} shards need replicas 1 (each shard is one pod of "
+                                        f"the router StatefulSet), not {self.replicas}"))
         if problems:
             raise refuse(problems)
         return self
@@ -629,6 +652,17 @@ class RolloutPoolSpec(_Model):
             raise ValueError(f"defaultClass {self.default_class!r} is not one of {names}")
         return self
 
+    @model_validator(mode="after")
+    def _shards(self) -> RolloutPoolSpec:
+        shards = self.router.shards
+        external = self.engines.external
+        engines = len(external.urls) if external is not None and external.urls is not None else (
+            None if external is not None else self.engines.replicas)
+        if shards > 1 and engines is not None and engines and shards > engines:
+            raise refuse([(".router.shards", f"{shards} shards for {engines} engines: a shard owns engines, and "
+                                             "one without any could only hold its sessions' requests")])
+        return self
+
 
 # ---- status -------------------------------------------------------------------
 
@@ -668,11 +702,27 @@ class EnginesStatus(_Model):
     )
 
 
+class ShardView(_Model):
+    """One router shard as the operator last read it (router.shards > 1)."""
+
+    index: int
+    url: str | None = Field(None, description="The shard's own base URL (admin calls go to each one).")
+    up: bool | None = Field(None, description="Its /status answered.")
+    ready: bool | None = None
+    generation: int | None = Field(None, description="Config generation the shard reports applied.")
+    healthy_engines: int | None = None
+    owned_engines: int | None = Field(None, description="Engines it owns now (more while a peer is down).")
+    live_shards: list[int] | None = Field(None, description="Shards it sees alive (itself included).")
+    error: str | None = Field(None, description="Why it did not answer.")
+
+
 class RouterStatusView(_Model):
-    ready: bool | None = Field(None, description="Router pod ready and /status reports ready.")
+    ready: bool | None = Field(None, description="Router pod ready and /status reports ready (every shard's).")
     ready_replicas: int | None = None
-    healthy_engines: int | None = Field(None, description="Engines the router sees as healthy.")
-    url: str | None = Field(None, description="In-cluster base URL of the router (OpenAI API).")
+    healthy_engines: int | None = Field(None, description="Engines the router sees as healthy (all shards).")
+    url: str | None = Field(None, description="In-cluster base URL of the router (OpenAI API); with shards, "
+                            "the proxy in front of them.")
+    shards: list[ShardView] | None = Field(None, description="Each router shard (router.shards > 1).")
 
 
 class ConfigStatus(_Model):

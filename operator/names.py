@@ -62,6 +62,27 @@ class PoolNames:
         return f"{self.pool}-router"
 
     @property
+    def router_shards(self) -> str:
+        """Headless Service of the router shards' StatefulSet (``{pool}-router``): one DNS name per pod."""
+        return f"{self.pool}-router-shards"
+
+    @property
+    def router_proxy(self) -> str:
+        """The shard proxy (HAProxy): its ConfigMap and Deployment."""
+        return f"{self.pool}-router-proxy"
+
+    def shard_pod(self, shard: int) -> str:
+        """A shard's pod name (StatefulSet ordinal)."""
+        return f"{self.router}-{shard}"
+
+    def shard_dns(self, shard: int, cluster_domain: str = "cluster.local") -> str:
+        return f"{self.shard_pod(shard)}.{self.router_shards}.{self.namespace}.svc.{cluster_domain}"
+
+    def shard_url(self, shard: int, port: int, cluster_domain: str = "cluster.local") -> str:
+        """In-cluster base URL of one router shard (peers, the proxy and the operator call it)."""
+        return f"http://{self.shard_dns(shard, cluster_domain)}:{port}"
+
+    @property
     def router_config(self) -> str:
         return f"{self.pool}-router-config"
 
@@ -76,6 +97,8 @@ class PoolNames:
             ("Service", self.engines), ("Service", self.router),
             ("Deployment", self.engines), ("Deployment", self.router),
             ("PodDisruptionBudget", self.engines),
+            ("StatefulSet", self.router), ("Service", self.router_shards),
+            ("ConfigMap", self.router_proxy), ("Deployment", self.router_proxy),
         ]
 
     def engines_dns(self, cluster_domain: str = "cluster.local") -> str:

@@ -28,17 +28,19 @@ With ``spec.engines.external`` no engine object is rendered at all.
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 from dataclasses import dataclass
 from typing import Any
 
 import yaml
 
-from misat_router.config import EnginesConfig, RouterConfig, ServiceRef
+from misat_router.config import EnginesConfig, RouterConfig, ServiceRef, ShardsConfig
 from misat_router.policy.settings import ClassSpec, WorkloadMix
 
 from . import kube_validation as kv
 from .diff import with_last_applied
+from .haproxy import HEALTH_PATH, ShardServer, haproxy_config
 from .models import (
     DEFAULT_SHM_SIZE,
     ENGINE_UID,
@@ -73,6 +75,24 @@ from .names import (
 
 ENGINE_COMPONENT = "engine"
 ROUTER_COMPONENT = "router"
+SHARD_COMPONENT = "router-shard"
+"""Router shard pods (router.shards > 1): their own label, so the single-router Deployment (kept at
+0 replicas) and the StatefulSet never select each other's pods."""
+PROXY_COMPONENT = "router-proxy"
+PROXY_REPLICAS = 2
+"""Shard proxies: two, so a proxy pod's loss is not the pool's; both hash alike (fixed server ids)."""
+PROXY_DEFAULT_LIMITS: dict[str, str] = {"cpu": "2", "memory": "512Mi"}
+"""HAProxy's limits (project default: the measured proxy cost per request, docs/scale.md, is a small
+fraction of a router's, so two CPUs front many shards; memory is buffers per connection)."""
+PROXY_UID = 99
+"""The official haproxy image's own `haproxy` user (its Dockerfile creates uid and gid 99)."""
+PROXY_CONFIG_DIR = "/usr/local/etc/haproxy"
+"""Where the official image's default command reads haproxy.cfg."""
+PROXY_CONFIG_KEY = "haproxy.cfg"
+PROXY_CONFIG_HASH_ANNOTATION = "misat.dev/proxy-config-hash"
+"""On the proxy pod template: HAProxy does not re-read its file, so a new config rolls the proxies."""
+PROXY_LISTEN_ADDRESS = "::"
+"""Both families (``bind [::]:port v4v6``)."""
 ENGINE_STARTUP_PERIOD_S = 10
 """startupProbe period; its failureThreshold is spec.engines.probes.startupBudgetSeconds / this."""
 ENGINE_READINESS_PERIOD_S, ENGINE_READINESS_FAILURES = 5, 3
@@ -117,11 +137,17 @@ class Desired:
     router_deployment: dict[str, Any]
     router_config: RouterConfig
     engine_disruption_budget: dict[str, Any] | None = None
+    shard_service: dict[str, Any] | None = None
+    """Router shards (router.shards > 1): the headless Service, the StatefulSet, the proxy."""
+    router_statefulset: dict[str, Any] | None = None
+    proxy_config_map: dict[str, Any] | None = None
+    proxy_deployment: dict[str, Any] | None = None
 
     def objects(self) -> list[dict[str, Any]]:
         ordered = [
-            self.secret, self.config_map, self.engine_service, self.router_service,
-            self.engine_deployment, self.router_deployment, self.engine_disruption_budget,
+            self.secret, self.config_map, self.proxy_config_map, self.engine_service, self.router_service,
+            self.shard_service, self.engine_deployment, self.router_deployment, self.router_statefulset,
+            self.proxy_deployment, self.engine_disruption_budget,
         ]
         return [o for o in ordered if o is not None]
 
@@ -265,6 +291,11 @@ def build_router_config(
         )
         for w in spec.workloads
     )
+    shards = None
+    if spec.router.shards > 1:
+        names = ref.names
+        peers = tuple(names.shard_url(i, spec.router.port, cluster_domain) for i in range(spec.router.shards))
+        shards = ShardsConfig(peers=peers)
     return RouterConfig(
         generation=ref.generation,
         model=spec.model.served,
@@ -272,12 +303,15 @@ def build_router_config(
         workloads=WorkloadMix(classes=classes, default_class=spec.default_class),
         policy=spec.admission.model_copy(update={"kv_budget_fraction": spec.kv_budget.fraction}),
         hold_deadline_s=router_hold_deadline(spec.router),
+        shards=shards,
     )
 
 
 def router_config_yaml(config: RouterConfig) -> str:
-    """ConfigMap payload: every setting explicit, so the mounted file reads on its own."""
-    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+    """ConfigMap payload: every setting explicit, so the mounted file reads on its own (``shards``
+    only where set: an unsharded router's file stays as it was before shards existed)."""
+    exclude = {"shards"} if config.shards is None else None
+    return yaml.safe_dump(config.model_dump(mode="json", exclude=exclude), sort_keys=False)
 
 
 def build_config_map(ref: PoolRef, config: RouterConfig) -> dict[str, Any]:
@@ -486,8 +520,9 @@ def router_grace_period(r: RouterSpec) -> int:
     return pre_stop_sleep(r) + int(drain) + ROUTER_EXIT_MARGIN_S
 
 
-def build_router_deployment(spec: RolloutPoolSpec, ref: PoolRef) -> dict[str, Any]:
-    """Depends on spec.router and names only: config changes never touch this template."""
+def _router_template(spec: RolloutPoolSpec, ref: PoolRef, component: str) -> dict[str, Any]:
+    """The router pod template (one router, or each shard: a shard reads its index from its
+    StatefulSet hostname, so the template is the same)."""
     r = spec.router
     names = ref.names
     timeout = probe_timeout(r)
@@ -521,7 +556,7 @@ def build_router_deployment(spec: RolloutPoolSpec, ref: PoolRef) -> dict[str, An
     container["resources"] = resources
     pod_spec: dict[str, Any] = {
         # The router never calls the Kubernetes API: no service-account token unless asked for.
-        **_pod_fields(r, ref, ROUTER_COMPONENT),
+        **_pod_fields(r, ref, component),
         "securityContext": _pod_security(r, ROUTER_UID),
         "terminationGracePeriodSeconds": router_grace_period(r),
         "containers": [container],
@@ -531,28 +566,140 @@ def build_router_deployment(spec: RolloutPoolSpec, ref: PoolRef) -> dict[str, An
             {"name": "tmp", "emptyDir": {}},
         ],
     }
+    return {"metadata": _template_metadata(r, ref, component), "spec": pod_spec}
+
+
+def build_router_deployment(spec: RolloutPoolSpec, ref: PoolRef) -> dict[str, Any]:
+    """Depends on spec.router and names only: config changes never touch this template. With
+    shards it stays, at 0 replicas: the StatefulSet's shards own the engines instead."""
+    r = spec.router
+    names = ref.names
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
         "metadata": _metadata(ref, names.router, ROUTER_COMPONENT),
         "spec": {
-            "replicas": r.replicas,
+            "replicas": r.replicas if r.shards == 1 else 0,
             "selector": {"matchLabels": names.selector(ROUTER_COMPONENT)},
             # Never two routers at once: each would admit against the same engines.
             "strategy": {"type": "Recreate"},
-            "template": {"metadata": _template_metadata(r, ref, ROUTER_COMPONENT), "spec": pod_spec},
+            "template": _router_template(spec, ref, ROUTER_COMPONENT),
+        },
+    }
+
+
+def build_router_statefulset(spec: RolloutPoolSpec, ref: PoolRef) -> dict[str, Any]:
+    """The router shards: pod ``{pool}-router-N`` is shard N. Parallel pod management: shards are
+    independent (a missing one's engines are re-homed), so none waits for another to start."""
+    names = ref.names
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": _metadata(ref, names.router, SHARD_COMPONENT),
+        "spec": {
+            "replicas": spec.router.shards,
+            "serviceName": names.router_shards,
+            "podManagementPolicy": "Parallel",
+            "selector": {"matchLabels": names.selector(SHARD_COMPONENT)},
+            "updateStrategy": {"type": "RollingUpdate"},
+            "template": _router_template(spec, ref, SHARD_COMPONENT),
+        },
+    }
+
+
+def build_shard_service(spec: RolloutPoolSpec, ref: PoolRef) -> dict[str, Any]:
+    """Headless: a DNS name per shard pod, for its peers and the proxy. Not-ready pods are
+    published too: a shard's liveness is its peers' and the proxy's own /health checks."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(ref, ref.names.router_shards, SHARD_COMPONENT),
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": ref.names.selector(SHARD_COMPONENT),
+            "ports": [
+                {"name": ROUTER_PORT_NAME, "port": spec.router.port, "targetPort": ROUTER_PORT_NAME,
+                 "protocol": "TCP"}
+            ],
+        },
+    }
+
+
+def proxy_config(spec: RolloutPoolSpec, ref: PoolRef, cluster_domain: str = "cluster.local") -> str:
+    names = ref.names
+    servers = [ShardServer(names.shard_dns(i, cluster_domain), spec.router.port) for i in range(spec.router.shards)]
+    return haproxy_config(servers, bind_address=PROXY_LISTEN_ADDRESS, bind_port=spec.router.port, dns=True)
+
+
+def build_proxy_config_map(ref: PoolRef, config_text: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _metadata(ref, ref.names.router_proxy, PROXY_COMPONENT),
+        "data": {PROXY_CONFIG_KEY: config_text},
+    }
+
+
+def build_proxy_deployment(spec: RolloutPoolSpec, ref: PoolRef, config_text: str) -> dict[str, Any]:
+    """HAProxy (the official image) in front of the shards; the pool's router Service points here."""
+    r = spec.router
+    names = ref.names
+    timeout = probe_timeout(r)
+    container: dict[str, Any] = {
+        "name": "haproxy",
+        "image": r.proxy_image,
+        "imagePullPolicy": r.image_pull_policy,
+        "args": ["haproxy", "-f", f"{PROXY_CONFIG_DIR}/{PROXY_CONFIG_KEY}"],
+        "ports": [{"name": ROUTER_PORT_NAME, "containerPort": r.port, "protocol": "TCP"}],
+        # Ready once a shard answers through it; alive while it accepts connections at all.
+        "readinessProbe": _http_probe(
+            HEALTH_PATH, ROUTER_PORT_NAME, ROUTER_READINESS_PERIOD_S, ROUTER_READINESS_FAILURES, timeout
+        ),
+        "livenessProbe": {
+            "tcpSocket": {"port": ROUTER_PORT_NAME},
+            "periodSeconds": ROUTER_LIVENESS_PERIOD_S,
+            "failureThreshold": ROUTER_LIVENESS_FAILURES,
+            "timeoutSeconds": timeout,
+        },
+        "securityContext": _container_security(read_only_root=True),
+        "resources": {"limits": dict(PROXY_DEFAULT_LIMITS)},
+        "volumeMounts": [{"name": "config", "mountPath": PROXY_CONFIG_DIR, "readOnly": True}],
+    }
+    digest = hashlib.sha256(config_text.encode()).hexdigest()[:16]
+    template_meta = _template_metadata(r, ref, PROXY_COMPONENT)
+    template_meta["annotations"] = {**template_meta.get("annotations", {}), PROXY_CONFIG_HASH_ANNOTATION: digest}
+    pod_spec: dict[str, Any] = {
+        **_pod_fields(r, ref, PROXY_COMPONENT),
+        "securityContext": {
+            "runAsNonRoot": True, "runAsUser": PROXY_UID, "runAsGroup": PROXY_UID, "fsGroup": PROXY_UID,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "containers": [container],
+        "volumes": [{"name": "config", "configMap": {"name": names.router_proxy}}],
+    }
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _metadata(ref, names.router_proxy, PROXY_COMPONENT),
+        "spec": {
+            "replicas": PROXY_REPLICAS,
+            "selector": {"matchLabels": names.selector(PROXY_COMPONENT)},
+            "template": {"metadata": template_meta, "spec": pod_spec},
         },
     }
 
 
 def build_router_service(spec: RolloutPoolSpec, ref: PoolRef) -> dict[str, Any]:
+    """The pool's address: the router, or with shards the proxy in front of them."""
+    target = PROXY_COMPONENT if spec.router.shards > 1 else ROUTER_COMPONENT
     return {
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": _metadata(ref, ref.names.router, ROUTER_COMPONENT),
         "spec": {
             "type": "ClusterIP",
-            "selector": ref.names.selector(ROUTER_COMPONENT),
+            "selector": ref.names.selector(target),
             "ports": [
                 {"name": ROUTER_PORT_NAME, "port": spec.router.port, "targetPort": ROUTER_PORT_NAME,
                  "protocol": "TCP"}
@@ -582,6 +729,8 @@ def render(spec: RolloutPoolSpec, ref: PoolRef, token: str, cluster_domain: str 
     """Everything the pool owns, or an exception: nothing is applied from a partial render."""
     config = build_router_config(spec, ref, cluster_domain)
     creates_engines = spec.engines.external is None
+    sharded = spec.router.shards > 1
+    proxy_text = proxy_config(spec, ref, cluster_domain) if sharded else ""
     desired = Desired(
         secret=build_secret(ref, token),
         config_map=build_config_map(ref, config),
@@ -591,6 +740,10 @@ def render(spec: RolloutPoolSpec, ref: PoolRef, token: str, cluster_domain: str 
         router_deployment=build_router_deployment(spec, ref),
         router_config=config,
         engine_disruption_budget=build_engine_disruption_budget(spec, ref) if creates_engines else None,
+        shard_service=build_shard_service(spec, ref) if sharded else None,
+        router_statefulset=build_router_statefulset(spec, ref) if sharded else None,
+        proxy_config_map=build_proxy_config_map(ref, proxy_text) if sharded else None,
+        proxy_deployment=build_proxy_deployment(spec, ref, proxy_text) if sharded else None,
     )
     problems = [p for obj in desired.objects() if (p := size_problem(obj))]
     if problems:

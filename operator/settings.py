@@ -28,6 +28,11 @@ class OperatorSettings(BaseModel):
         description="Template of a pool's router base URL with {name}, {namespace}, {port}; default: "
         "the router Service's in-cluster DNS name. Tests and out-of-cluster runs override it.",
     )
+    shard_url: str | None = Field(
+        None,
+        description="Template of one router shard's base URL with {name}, {namespace}, {port}, {shard} "
+        "(pools with router.shards > 1); default: the shard pod's DNS name under the headless Service.",
+    )
     cluster_domain: str = Field("cluster.local", min_length=1, description="Cluster DNS suffix.")
     router_timeout_s: float = Field(
         3.0, gt=0.0, description="Timeout of one call to a router (push or /status)."
@@ -70,6 +75,13 @@ class OperatorSettings(BaseModel):
         from .names import PoolNames
 
         return PoolNames(name, namespace).router_url(port, self.cluster_domain)
+
+    def shard_base_url(self, name: str, namespace: str, port: int, shard: int) -> str:
+        if self.shard_url:
+            return self.shard_url.format(name=name, namespace=namespace, port=port, shard=shard).rstrip("/")
+        from .names import PoolNames
+
+        return PoolNames(name, namespace).shard_url(shard, port, self.cluster_domain)
 
 
 class SettingsError(ValueError):

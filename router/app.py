@@ -17,7 +17,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from . import admin, lifecycle, ops_endpoints, proxy
+from . import admin, lifecycle, ops_endpoints, proxy, shard_peers
 from .config import RouterConfig
 from .http_errors import error_middleware
 from .state import STATE, Clock, RouterState
@@ -29,13 +29,16 @@ def create_app(
     admin_token: str | None,
     config_path: str | Path | None = None,
     clock: Clock = time.monotonic,
+    shard_index: int | None = None,
 ) -> web.Application:
-    """Build the router app; ``config_path`` (optional) is a file watched for reloads."""
+    """Build the router app; ``config_path`` (optional) is a file watched for reloads;
+    ``shard_index``: this router's index when ``config.shards`` is set (raises ConfigError if unusable)."""
     state = RouterState(
         config,
         admin_token=admin_token,
         config_path=Path(config_path) if config_path is not None else None,
         clock=clock,
+        shard_index=shard_index,
     )
     app = web.Application(middlewares=[error_middleware(state.metrics.invalid.inc)])
     app[STATE] = state
@@ -44,5 +47,7 @@ def create_app(
     admin.add_routes(app)
     app.cleanup_ctx.append(lifecycle.sessions_ctx)
     app.cleanup_ctx.append(lifecycle.background_ctx)
+    app.cleanup_ctx.append(shard_peers.peers_ctx)
+    app.on_response_prepare.append(shard_peers.shard_header)
     app.on_shutdown.append(lifecycle.drain)
     return app

@@ -89,6 +89,46 @@ class EnginesConfig(_Frozen):
         return tuple(u.rstrip("/") for u in self.urls)
 
 
+class ShardsConfig(_Frozen):
+    """Router shards: several routers behind a session-hashing proxy, each owning a disjoint subset
+    of the engines (``sharding.py``; docs/router.md, "Router shards"). Every shard reads the same
+    config; its own index comes from ``misat router --shard-index`` or its hostname's ordinal."""
+
+    peers: tuple[str, ...] = Field(
+        min_length=1,
+        description="Base URL of every shard's router in shard-index order, this one included (a "
+        "StatefulSet's pods through their headless Service: 'http://pool-router-0.pool-router-shards...').",
+    )
+    peer_probe_interval_s: float = Field(
+        0.5, gt=0.0,
+        description="Seconds between /health checks of each peer shard (project default: with "
+        "peer_down_after_failures=2 a dead shard's engines are re-homed within about 1.5 s).",
+    )
+    peer_probe_timeout_s: float = Field(0.4, gt=0.0, description="Timeout of one peer /health check.")
+    peer_down_after_failures: int = Field(
+        2, ge=1,
+        description="Consecutive failed peer checks after which the other shards take over its engines "
+        "(project default: one lost probe under load does not move engines).",
+    )
+    peer_up_after_successes: int = Field(
+        1, ge=1,
+        description="Consecutive passed checks after which a returning shard gets its engines back.",
+    )
+
+    @model_validator(mode="after")
+    def _urls(self) -> ShardsConfig:
+        for i, url in enumerate(self.peers):
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"peers[{i}] {url!r} must start with http:// or https://")
+        if len({u.rstrip("/") for u in self.peers}) != len(self.peers):
+            raise ValueError("'peers' must not repeat a shard")
+        return self
+
+    def peer_urls(self) -> tuple[str, ...]:
+        """The peers without trailing slashes, index i being shard i."""
+        return tuple(u.rstrip("/") for u in self.peers)
+
+
 class RouterConfig(_Frozen):
     """The router's whole configuration (ConfigMap payload, ``PUT /admin/config`` body)."""
 
@@ -103,6 +143,11 @@ class RouterConfig(_Frozen):
     policy: PolicySettings = Field(
         default_factory=lambda: PolicySettings.model_validate({}),
         description="Policy name and every knob (router/policy/settings.py).",
+    )
+
+    shards: ShardsConfig | None = Field(
+        None,
+        description="Router shards (RolloutPool router.shards > 1); None: this router owns every engine.",
     )
 
     hold_deadline_s: float = Field(

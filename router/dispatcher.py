@@ -160,7 +160,7 @@ class Dispatcher:
         now = self._clock()
         self._runner.cancel(meta.request_id, now)
         self._metrics.hold_wait.labels(meta.workload_class, outcome).observe(now - held_since)
-        self._metrics.requests.labels(meta.workload_class, outcome).inc()
+        self._metrics.finished(meta.workload_class, outcome)
         # The class's queue head may have moved: let the next one try.
         self.kick()
         self._touch()
@@ -178,12 +178,8 @@ class Dispatcher:
             self._idle.set()
         now = self._clock()
         self._runner.finish(meta, engine_id, completion, now)
-        self._metrics.requests.labels(meta.workload_class, outcome).inc()
-        tokens = self._metrics.tokens
-        tokens.labels(meta.workload_class, "prompt").inc(completion.prompt_tokens)
-        tokens.labels(meta.workload_class, "completion").inc(completion.completion_tokens)
-        if completion.cached_tokens:
-            tokens.labels(meta.workload_class, "cached").inc(completion.cached_tokens)
+        self._metrics.finished(meta.workload_class, outcome)
+        self._metrics.used(meta.workload_class, completion)
         self._observe_units(now)
         self.kick()
         self._touch()

@@ -29,6 +29,8 @@ log = logging.getLogger(__name__)
 
 Clock = Callable[[], float]
 EngineCallback = Callable[[str], None]
+OwnershipFilter = Callable[[list[str]], list[str]]
+"""The known engine ids (in order) -> those this router owns."""
 
 
 @dataclass(slots=True)
@@ -63,15 +65,33 @@ class EngineRegistry:
         self._on_up = on_up
         self._on_removed = on_removed
         self._engines: dict[str, EngineState] = {}
+        self._known: list[str] = []
+        self._owns: OwnershipFilter | None = None
         self._snapshot: Mapping[str, EngineSnapshot] | None = None
         self.changed = asyncio.Event()
         """Set whenever the set of engines changes (the probe supervisor waits on it)."""
 
     # ---- membership -----------------------------------------------------
 
+    def set_ownership(self, owns: OwnershipFilter | None) -> tuple[list[str], list[str]]:
+        """Hold only the engines ``owns`` picks from the known list (router shards, ``sharding.py``);
+        None: every known engine. Re-applied on every ``set_engines``; returns (added, removed)."""
+        self._owns = owns
+        return self.refilter()
+
+    def refilter(self) -> tuple[list[str], list[str]]:
+        """Apply the ownership filter again (a peer shard went down or came back)."""
+        return self.set_engines(self._known)
+
+    def known_ids(self) -> list[str]:
+        """Every engine of the config or DNS, owned by this router or not."""
+        return list(self._known)
+
     def set_engines(self, engine_ids: Iterable[str]) -> tuple[list[str], list[str]]:
-        """Make the registry hold exactly ``engine_ids``; returns (added, removed)."""
-        wanted = list(dict.fromkeys(engine_ids))
+        """Make the registry hold exactly ``engine_ids`` (those this router owns of them, when an
+        ownership filter is set); returns (added, removed)."""
+        self._known = list(dict.fromkeys(engine_ids))
+        wanted = self._owns(self._known) if self._owns is not None else list(self._known)
         added = [e for e in wanted if e not in self._engines]
         removed = [e for e in self._engines if e not in set(wanted)]
         for e in added:

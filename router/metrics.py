@@ -14,12 +14,13 @@ A per-app ``CollectorRegistry`` keeps two apps in one process (tests) apart.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from .policy.types import Decision
+from .policy.types import Completion, Decision
 from .status import RouterStatus
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -113,6 +114,24 @@ class _StateCollector(Collector):
         yield g("misat_paused", "1 while paused.", value=1.0 if s.paused else 0.0)
 
 
+class LabelledChildren:
+    """``metric.labels(*values)``, each child looked up once: prometheus_client's ``labels`` checks
+    the values and takes a lock on every call, and the proxy updates several series per request.
+    (None of these series ever has a child removed, so a cached child is never stale.)"""
+
+    __slots__ = ("_cache", "_metric")
+
+    def __init__(self, metric: Counter | Histogram) -> None:
+        self._metric = metric
+        self._cache: dict[tuple[str, ...], Any] = {}
+
+    def __call__(self, *values: str) -> Any:
+        child = self._cache.get(values)
+        if child is None:
+            child = self._cache[values] = self._metric.labels(*values)
+        return child
+
+
 class RouterMetrics:
     """Every ``misat_*`` series of one router app."""
 
@@ -157,9 +176,23 @@ class RouterMetrics:
             ["engine"], registry=r,
         )
         r.register(_StateCollector(snapshot))
+        self._decisions = LabelledChildren(self.decisions)
+        self._requests = LabelledChildren(self.requests)
+        self._tokens = LabelledChildren(self.tokens)
 
     def decision(self, workload_class: str, decision: Decision) -> None:
-        self.decisions.labels(workload_class, decision.action.value, decision.reason.value).inc()
+        self._decisions(workload_class, decision.action.value, decision.reason.value).inc()
+
+    def finished(self, workload_class: str, outcome: str) -> None:
+        """A request's final outcome (``misat_requests_total``)."""
+        self._requests(workload_class, outcome).inc()
+
+    def used(self, workload_class: str, completion: Completion) -> None:
+        """The tokens a finished request used (``misat_tokens_total``)."""
+        self._tokens(workload_class, "prompt").inc(completion.prompt_tokens)
+        self._tokens(workload_class, "completion").inc(completion.completion_tokens)
+        if completion.cached_tokens:
+            self._tokens(workload_class, "cached").inc(completion.cached_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

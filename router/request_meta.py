@@ -39,6 +39,7 @@ from enum import StrEnum
 from typing import Any
 
 from .errors import InvalidRequest
+from .json_codec import loads
 from .policy.settings import PrefixIndexSettings, WorkloadMix
 from .policy.types import RequestMeta
 
@@ -194,7 +195,7 @@ def _completion_prompt(prompt: object, chars_per_token: float) -> _Prompt:
 def decode_json_object(raw: bytes) -> dict[str, Any]:
     """A request body that must be one JSON object; ``InvalidRequest`` otherwise."""
     try:
-        obj = json.loads(raw)
+        obj = loads(raw)
     except (ValueError, RecursionError) as exc:
         # ValueError: bad JSON, bad UTF-8, an integer over Python's 4300-digit limit;
         # RecursionError: nesting deeper than the decoder's stack.

@@ -28,7 +28,8 @@ from .metrics import RouterMetrics
 from .policy.registry import build_policy
 from .policy.runner import PolicyRunner
 from .reload import ReloadResult, changed_fields, check_reload
-from .status import RouterStatus, SampleRateMeter, build_status
+from .sharding import PeerLiveness, owned_engines
+from .status import RouterStatus, SampleRateMeter, ShardStatus, build_status
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,11 @@ class RouterState:
         admin_token: str | None,
         config_path: Path | None = None,
         clock: Clock = time.monotonic,
+        shard_index: int | None = None,
     ) -> None:
+        problem = shard_problem(config, shard_index)
+        if problem:
+            raise ConfigError(problem)
         self.config = config
         self.config_hash = config.config_hash()
         self.admin_token = admin_token
@@ -86,6 +91,12 @@ class RouterState:
         self.weight_versions: dict[str, str | None] = {}
         """Weight version per engine as last recorded (``/admin/resume``, ``/admin/engines/call``)."""
         self._changed = asyncio.Event()
+        self.shard_index = shard_index if config.shards is not None else None
+        """This router's shard index (``config.shards``); None when it is the only router."""
+        self.peers: PeerLiveness | None = None
+        if config.shards is not None and shard_index is not None:
+            self.peers = PeerLiveness(len(config.shards.peers), shard_index)
+            self.registry.set_ownership(self._owned)
         urls = config.engines.static_urls()
         if urls is not None:
             self.registry.set_engines(urls)
@@ -119,6 +130,13 @@ class RouterState:
         if new_hash == self.config_hash:
             return ReloadResult(False, old.generation, self.config_hash, (),
                                 requests_in_flight=n_in_flight, held_requests=n_held)
+        if (new.shards is None) != (old.shards is None):
+            # A router's shard index is fixed at start-up (``--shard-index``): turning sharding on
+            # or off is a restart of the router pods, which the operator's rendering does.
+            raise ConfigRejected("'shards' cannot be added or removed by a reload; restart the router")
+        problem = shard_problem(new, self.shard_index)
+        if problem:
+            raise ConfigRejected(problem)
         runner = self.runner
         live = set(runner.active_sessions()) | {e.req.workload_class for e in runner.held()}
         check_reload(old, new, live)
@@ -135,6 +153,9 @@ class RouterState:
         self.config = new
         self.config_hash = new_hash
         self.last_reload_error = None
+        if old.shards != new.shards and new.shards is not None and self.peers is not None:
+            self.peers.resize(len(new.shards.peers))
+            self.registry.refilter()
         if old.engines != new.engines:
             urls = new.engines.static_urls()
             if urls is not None:
@@ -243,6 +264,33 @@ class RouterState:
         self.dispatcher.kick()
         self.touch()
 
+    # ---- router shards ---------------------------------------------------------
+
+    def _owned(self, engines: list[str]) -> list[str]:
+        assert self.peers is not None and self.shard_index is not None
+        return owned_engines(engines, self.peers.shards, self.peers.live(), self.shard_index)
+
+    def peer_checked(self, peer: int, ok: bool, error: str | None = None) -> None:
+        """One ``/health`` check of a peer shard; a change of the live set re-homes engines at once."""
+        shards = self.config.shards
+        if self.peers is None or shards is None:
+            return
+        if self.peers.record(peer, ok, down_after=shards.peer_down_after_failures,
+                             up_after=shards.peer_up_after_successes, error=error):
+            added, removed = self.registry.refilter()
+            log.warning("shard %d %s: engines taken over %s, handed back %s", peer,
+                        "is back" if ok else f"is down ({error})", added or "none", removed or "none")
+            self.dispatcher.kick()
+            self.touch()
+
+    def shard_status(self) -> ShardStatus | None:
+        if self.peers is None or self.shard_index is None:
+            return None
+        return ShardStatus(
+            index=self.shard_index, count=self.peers.shards, live=sorted(self.peers.live()),
+            owned_engines=self.registry.ids(), known_engines=len(self.registry.known_ids()),
+        )
+
     def on_scraped(self) -> None:
         self.runner.on_metrics(self.registry.snapshots(), self.clock())
         self.dispatcher.kick()
@@ -275,7 +323,19 @@ class RouterState:
             now=now,
             weight_versions=self.weight_versions,
             pause_mode=self.pause_mode,
+            shard=self.shard_status(),
         )
+
+
+def shard_problem(config: RouterConfig, index: int | None) -> str | None:
+    """Why ``index`` cannot be this router's shard under ``config``, or None."""
+    if config.shards is None:
+        return None
+    if index is None:
+        return "shards is set but this router has no shard index (misat router --shard-index)"
+    if not 0 <= index < len(config.shards.peers):
+        return f"shard index {index} is not one of the {len(config.shards.peers)} shards.peers"
+    return None
 
 
 STATE = web.AppKey("misat_state", RouterState)

@@ -113,6 +113,16 @@ class ClassStatus(BaseModel):
     kv_used_tokens: float | None
 
 
+class ShardStatus(BaseModel):
+    """This router as one of several shards (``config.shards``; docs/router.md, "Router shards")."""
+
+    index: int = Field(description="This shard's index (its StatefulSet ordinal).")
+    count: int = Field(description="Shards in the pool (len(shards.peers)).")
+    live: list[int] = Field(description="Shards this one sees alive (itself included).")
+    owned_engines: list[str] = Field(description="Engines this shard owns and admits against.")
+    known_engines: int = Field(description="Engines of the whole pool (config or DNS).")
+
+
 class RouterStatus(BaseModel):
     generation: int
     config_hash: str
@@ -140,6 +150,10 @@ class RouterStatus(BaseModel):
     sessions_ended_idle: int
     last_reload_error: str | None
     policy_state: dict[str, Any] = Field(description="policy.describe(), verbatim.")
+    prefix_queries_total: float = Field(0.0, description="Prompt tokens queried against prefix caches, all engines "
+                                        "(so shards' hit rates combine by counts).")
+    prefix_hits_total: float = Field(0.0, description="Of those, tokens found cached.")
+    shard: ShardStatus | None = Field(None, description="Set when this router is one of several shards.")
 
 
 def _num(v: object) -> float | None:
@@ -193,6 +207,7 @@ def build_status(
     now: float,
     weight_versions: Mapping[str, str | None] | None = None,
     pause_mode: str | None = None,
+    shard: ShardStatus | None = None,
 ) -> RouterStatus:
     describe = runner.policy.describe()
     kv = kv_allocations(describe)
@@ -270,4 +285,7 @@ def build_status(
         sessions_ended_idle=runner.sessions_ended_idle,
         last_reload_error=last_reload_error,
         policy_state=describe,
+        prefix_queries_total=queries,
+        prefix_hits_total=hits,
+        shard=shard,
     )

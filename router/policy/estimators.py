@@ -61,3 +61,38 @@ class WindowPercentile:
             self._cached = percentile(sorted(self._samples), self.pct)
             self._dirty = False
         return self._cached
+
+    def samples(self) -> list[float]:
+        """The remembered samples, oldest first."""
+        return list(self._samples)
+
+
+def censored_percentile(events: list[float], censored: list[float], pct: float) -> float | None:
+    """Kaplan-Meier percentile of durations, some still running (right-censored).
+
+    ``events`` are finished durations; ``censored`` are the ages of ones still
+    running, each known only to exceed its age. The result is the smallest
+    event time at which the estimated share still running falls to
+    ``1 - pct / 100``, or ``None`` when it never does (too few have finished:
+    the percentile lies beyond every observation). At equal times an event
+    counts before a censored observation, the usual convention.
+    """
+    obs = sorted([(t, 0) for t in events] + [(c, 1) for c in censored])
+    n = len(obs)
+    target = 1.0 - pct / 100.0
+    surviving = 1.0
+    i = 0
+    while i < n:
+        t = obs[i][0]
+        at_risk = n - i
+        d = 0
+        while i < n and obs[i] == (t, 0):
+            d += 1
+            i += 1
+        if d:
+            surviving *= 1.0 - d / at_risk
+            if surviving <= target + 1e-12:
+                return t
+        while i < n and obs[i][0] == t:
+            i += 1
+    return None

@@ -25,8 +25,12 @@ Algorithm (``docs/misa-t.md`` is the specification):
    router's books, not from the stale snapshot, so old metrics never
    over-admit.
 4. On completion a session contributes its footprint (peak or mean KV
-   tokens) to ``k_b`` and its residency (admission to end, tool gaps
-   included) to ``T_b``.
+   tokens) to ``k_b`` and its residency to ``T_b``: from its first placement
+   (its admission; time held before does not count) to its end, tool gaps
+   included. With ``residency.censored``, live sessions count too, as
+   censored observations (each has stayed at least its age so far), so that
+   at start-up ``T_b`` is not the residency of the short sessions that
+   finish first.
 
 ``session-admission`` mode runs step 2 without class caps.
 """
@@ -39,7 +43,7 @@ from dataclasses import dataclass
 
 from .base import Engines, Policy, healthy_ids
 from .budgets import allocate, class_session_cap
-from .estimators import WindowPercentile
+from .estimators import WindowPercentile, censored_percentile
 from .hit_guard import HitGuard
 from .prefix_index import PrefixIndex, PromptKeys, prompt_keys
 from .settings import PolicySettings, WorkloadMix
@@ -84,6 +88,8 @@ class MisaPolicy(Policy):
         self.held_per_class: dict[str, int] = {}
         self.footprint: dict[str, WindowPercentile] = {}
         self.residency: dict[str, WindowPercentile] = {}
+        self._residency_km: dict[str, float] | None = None
+        """T_b with live sessions counted as censored, as of the last scrape (``residency.censored``)."""
         self.guards: dict[str, HitGuard] = {}
         self.snapshots: dict[str, EngineSnapshot] = {}
         # (time, +1 placed / -1 finished) per engine since its last scrape.
@@ -97,6 +103,8 @@ class MisaPolicy(Policy):
     def _set_mix_bounds(self, mix: WorkloadMix) -> None:
         self._min_share = {c.name: c.min_share for c in mix.classes if c.min_share is not None}
         self._max_share = {c.name: c.max_share for c in mix.classes if c.max_share is not None}
+        total = sum(c.share for c in mix.classes)
+        self._target_share = {c.name: c.share / total for c in mix.classes} if total > 0 else {}
         self._bootstrap = {
             c.name: float(c.bootstrap_footprint_tokens or self.settings.footprint.bootstrap_tokens)
             for c in mix.classes
@@ -119,12 +127,48 @@ class MisaPolicy(Policy):
 
     def residency_of(self, workload_class: str) -> float:
         """T_b in seconds; classes without samples get the mean of those with (1 if none)."""
+        km = self._residency_km
+        if km is not None:
+            value = km.get(workload_class)
+            if value is not None:
+                return max(value, 1e-6)
+            return max(sum(km.values()) / len(km), 1e-6) if km else 1.0
         est = self.residency.get(workload_class)
         value = est.value() if est is not None else None
         if value is not None:
             return max(value, 1e-6)
         known = [v for e in self.residency.values() if (v := e.value()) is not None]
         return max(sum(known) / len(known), 1e-6) if known else 1.0
+
+    def _refresh_residency(self, now: float) -> None:
+        """Recompute T_b with live sessions as censored observations (``residency.censored``).
+
+        Once per scrape rather than per decision: it walks every live session.
+        """
+        rs = self.settings.residency
+        if not (self.residency_on and rs.censored):
+            self._residency_km = None
+            return
+        ages: dict[str, list[float]] = {}
+        for live in self.sessions.values():
+            if not live.failed:
+                ages.setdefault(live.workload_class, []).append(now - live.admitted_at)
+        km: dict[str, float] = {}
+        for b in ages.keys() | self.residency.keys():
+            est = self.residency.get(b)
+            done = est.samples() if est is not None else []
+            running = ages.get(b, [])
+            if len(done) + len(running) < rs.min_samples:
+                continue
+            value = censored_percentile(done, running, rs.percentile)
+            km[b] = value if value is not None else max(done + running)
+        self._residency_km = km
+
+    def _time_factor(self, workload_class: str) -> float:
+        """T_b ** residency.exponent: the weight MISA-T adds to a session of the class."""
+        exponent = self.settings.residency.exponent
+        t = self.residency_of(workload_class)
+        return t if exponent == 1.0 else t**exponent
 
     def _demand(self, extra_class: str | None, extra: int = 1) -> dict[str, float]:
         """Unfinished sessions per class (live + held), plus the request being decided (``extra``
@@ -167,7 +211,7 @@ class MisaPolicy(Policy):
         for b, total in demand.items():
             w = self.footprint_of(b)
             if self.residency_on:
-                w *= self.residency_of(b)
+                w *= self._time_factor(b)
             out[b] = (total - self.class_sessions.get(b, 0), w)
         return out
 
@@ -180,15 +224,36 @@ class MisaPolicy(Policy):
         sessions on the engine plus an even share of its held sessions.
         """
         per_class = self.engine_class_sessions.get(engine_id, {})
+        capacity = snap.kv_capacity_tokens * self.settings.kv_budget_fraction
+        if self.settings.budget_basis == "target":
+            return self._target_budgets(capacity, per_class, weights)
         held_share = 1.0 / max(1, n_engines)
         r = {b: (per_class.get(b, 0) + held * held_share) * w for b, (held, w) in weights.items()}
-        capacity = snap.kv_capacity_tokens * self.settings.kv_budget_fraction
         if not self._min_share and not self._max_share:
             total_r = sum(r.values())
             if total_r <= 0:
                 return dict.fromkeys(r, 0.0)
             return {b: capacity * x / total_r for b, x in r.items()}
         return allocate(capacity, r, self._min_share, self._max_share)
+
+    def _target_budgets(
+        self, capacity: float, per_class: dict[str, int], weights: dict[str, tuple[float, float]]
+    ) -> dict[str, float]:
+        """``budgetBasis: target``: ``R_b = share_b * k_b * T_b^e``, each class capped at its need.
+
+        The need bound is what the class's unfinished sessions could hold here (its live
+        sessions on the engine plus every held one); a class pinned at it leaves the rest
+        to the others, as a ``maxKvShare`` bound does. Not below ``minKvShare``.
+        """
+        if capacity <= 0:
+            return dict.fromkeys(weights, 0.0)
+        r = {b: self._target_share.get(b, 0.0) * w for b, (_, w) in weights.items()}
+        upper: dict[str, float] = {}
+        for b, (held, _) in weights.items():
+            need = (per_class.get(b, 0) + held) * self.footprint_of(b) / capacity
+            bound = min(self._max_share.get(b, 1.0), need)
+            upper[b] = max(bound, self._min_share.get(b, 0.0))
+        return allocate(capacity, r, self._min_share, upper)
 
     def occupancy(self, engine_id: str, snap: EngineSnapshot) -> int:
         """Sessions on the engine: ours, plus reported load that is not ours."""
@@ -437,6 +502,7 @@ class MisaPolicy(Policy):
             events = self._events.get(w)
             while events and events[0][0] <= snap.scraped_at:
                 events.popleft()
+        self._refresh_residency(now)
 
     def on_prefix_cache_reset(self, now: float) -> None:
         self.index.clear()
@@ -476,6 +542,8 @@ class MisaPolicy(Policy):
         self.name = settings.name
         self.budgets_on = settings.name.uses_class_budgets
         self.residency_on = settings.name.uses_residency
+        if settings.residency != old.residency or settings.name is not old.name:
+            self._residency_km = None  # recomputed under the new settings at the next scrape
         if settings.prefix != old.prefix:
             self.index = PrefixIndex(settings.prefix)
             self._key_memo.clear()
@@ -505,14 +573,21 @@ class MisaPolicy(Policy):
         fraction = self.settings.kv_budget_fraction
         capacity = snap.kv_capacity_tokens * fraction
         share = budget / capacity if capacity > 0 else 0.0
-        basis = f"{live + held / max(1, n_engines):.1f} sessions x footprint {self.footprint_of(b):,.0f} tokens"
+        k = self.footprint_of(b)
+        if self.settings.budget_basis == "target":
+            basis = f"target share {self._target_share.get(b, 0.0):.0%} x footprint {k:,.0f} tokens"
+        else:
+            basis = f"{live + held / max(1, n_engines):.1f} sessions x footprint {k:,.0f} tokens"
         if self.residency_on:
-            basis += f" x residency {self.residency_of(b):.0f} s"
+            exponent = self.settings.residency.exponent
+            basis += f" x residency {self.residency_of(b):.0f} s" + (f" ^ {exponent:g}" if exponent != 1.0 else "")
         # Shares within rounding of a bound were set by it.
         if b in self._max_share and share >= self._max_share[b] - BOUND_TOLERANCE:
             basis += f", held at maxKvShare {self._max_share[b]:.0%}"
         elif b in self._min_share and share <= self._min_share[b] + BOUND_TOLERANCE:
             basis += f", raised to minKvShare {self._min_share[b]:.0%}"
+        elif self.settings.budget_basis == "target" and capacity > 0 and budget >= (live + held) * k - BOUND_TOLERANCE:
+            basis += f", capped at what its {live + held:.0f} unfinished sessions could use"
         return (f"{share:.0%} of the engine's KV budget ({fraction:.0%} of {snap.kv_capacity_tokens:,} tokens), "
                 f"in proportion to {basis}; cap = max(1, floor(budget / footprint))")
 

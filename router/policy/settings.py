@@ -12,9 +12,9 @@ start-up error naming the path, never a silently ignored key.
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Annotated
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 
 class _Settings(BaseModel):
@@ -147,8 +147,22 @@ class ResidencySettings(_Settings):
     window: int = Field(256, ge=1, description="Completed sessions remembered per class.")
     min_samples: int = Field(
         4, ge=1,
-        description="Completions needed before T_b is used; until then a class gets the mean "
-        "T of the classes that have one (or 1 when none has), i.e. no tilt.",
+        description="Observations needed before T_b is used (completed sessions, plus live ones when "
+        "``censored``); until then a class gets the mean T of the classes that have one (or 1 when "
+        "none has), i.e. no tilt.",
+    )
+    censored: bool = Field(
+        False,
+        description="Count live sessions as censored observations (each has stayed at least its age "
+        "so far) and take a Kaplan-Meier percentile, refreshed at each metrics scrape. Without it T_b "
+        "sees completed sessions only, so at start-up it is the residency of the short ones (RLVR's "
+        "median climbed 1 s -> 64 s -> 116 s before settling near 95 s). When too few have finished "
+        "for the percentile to be reached, T_b is the oldest observation (a lower bound).",
+    )
+    exponent: float = Field(
+        1.0, ge=0.0, le=2.0,
+        description="Shape of MISA-T's time factor: R_{w,b} = N_{w,b} * k_b * T_b ** exponent (1: the "
+        "paper's; 0: none, as MISA; 0.5: damped).",
     )
 
 
@@ -243,6 +257,16 @@ class PolicySettings(_Settings):
         "over-weights long classes: 0.80-0.85x of the tuned baseline on continuous workloads "
         "where MISA is at 0.96-1.28x; on iterations the two are level.",
     )
+    budget_basis: Literal["demand", "target"] = Field(
+        "demand",
+        description="What splits an engine's KV budget among classes. demand (the paper's): "
+        "R_{w,b} = N_{w,b} * k_b (* T_b), N the class's unfinished sessions (live on the engine plus "
+        "an even share of the held). target (misa-t only): R_b = share_b * k_b * T_b ** "
+        "residency.exponent, share_b the class's target share of completed units: by Little's law a "
+        "class completes units at its share when share * T of its sessions are in flight. Each class "
+        "is capped at what its unfinished sessions could use (live on the engine plus all its held, "
+        "times k_b), and what that frees is shared among the others again.",
+    )
     kv_budget_fraction: Fraction = Field(
         0.9,
         description="Share of each engine's KV the router may allocate to sessions (project "
@@ -259,6 +283,19 @@ class PolicySettings(_Settings):
     footprint: FootprintSettings = FootprintSettings()
     residency: ResidencySettings = ResidencySettings()
     cache_aware: CacheAwareSettings = CacheAwareSettings()
+
+    @field_validator("budget_basis")
+    @classmethod
+    def _target_basis_needs_residency(cls, value: str, info: ValidationInfo) -> str:
+        # A field validator, so the error is located at the field (the operator names it in
+        # the manifest's camelCase); ``name`` is declared first, so it is validated by now.
+        name = info.data.get("name")
+        if value == "target" and isinstance(name, PolicyName) and not name.uses_residency:
+            raise ValueError(
+                f"target weighs classes by their residency time, which only misa-t estimates; "
+                f"the policy is {name.value}"
+            )
+        return value
 
 
 class ClassSpec(_Settings):

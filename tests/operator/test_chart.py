@@ -41,6 +41,7 @@ NAMESPACED_RULES = {
     ("", "configmaps"): {"get", "create", "patch", "list", "watch"},
     ("", "services"): {"get", "create", "patch", "list", "watch"},
     ("apps", "deployments"): {"get", "create", "patch", "list", "watch"},
+    ("apps", "statefulsets"): {"get", "create", "patch", "list", "watch"},
     ("policy", "poddisruptionbudgets"): {"get", "create", "patch"},
     ("", "pods"): {"list", "patch"},
 }

@@ -225,3 +225,16 @@ def test_gpus_in_resources_are_refused_in_favour_of_gpus_per_replica() -> None:
         parse_spec({"model": {"name": "m"}, "workloads": [{"name": "a", "share": 100}],
                     "engines": {"resources": {"limits": {"nvidia.com/gpu": 8}}}})
     assert "spec.engines.resources.limits[nvidia.com/gpu]: is set from gpusPerReplica" in describe_spec_error(err.value)
+
+
+def test_a_target_budget_basis_without_misa_t_is_named_by_its_manifest_path() -> None:
+    raw = {"model": {"name": "m"}, "workloads": [{"name": "a", "share": 100}],
+           "admission": {"policy": "misa", "budgetBasis": "target"}}
+    with pytest.raises(ValidationError) as exc:
+        RolloutPoolSpec.model_validate(raw)
+    assert describe_spec_error(exc.value) == (
+        "spec.admission.budgetBasis: target weighs classes by their residency time, which only misa-t "
+        "estimates; the policy is misa"
+    )
+    raw["admission"]["policy"] = "misa-t"  # type: ignore[index]
+    assert RolloutPoolSpec.model_validate(raw).admission.budget_basis == "target"

@@ -11,7 +11,6 @@ ConfigMap + PUT /admin/config -> router /status -> pool status) and printed.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import contextlib
 import copy
@@ -24,8 +23,10 @@ import kmock
 import kopf
 import yaml
 
-from misat_operator.handlers import Runtime, register
-from misat_operator.settings import OperatorSettings
+from tests.support.kopf_run import api_call as _api
+from tests.support.kopf_run import condition as _cond
+from tests.support.kopf_run import emulated as _obj
+from tests.support.kopf_run import running_operator
 
 NS = "rl"
 POOLS = "misat.dev/v1alpha1/rolloutpools"
@@ -39,53 +40,7 @@ CHILDREN = [
     ("apps/v1/deployments", "mixed-pool-router"),
 ]
 WAIT_S = 15.0
-STOP_GRACE_S = 0.5
 APPLY_GOAL_S = 2.0
-
-
-@contextlib.asynccontextmanager
-async def running_operator(
-    registry: kopf.OperatorRegistry, api_url: str, router_url: str, **overrides: Any
-) -> AsyncIterator[Runtime]:
-    @kopf.on.login(registry=registry)
-    def _login(**_: Any) -> kopf.ConnectionInfo:
-        return kopf.ConnectionInfo(server=api_url, insecure=True)
-
-    settings = OperatorSettings(**({
-        "status_interval_s": 0.2, "router_url": router_url, "kube_server": api_url, "post_events": True,
-        "liveness_endpoint": None, "router_timeout_s": 1.0,
-    } | overrides))
-    rt = register(registry, settings)
-    stop: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-    task = asyncio.create_task(
-        kopf.operator(registry=registry, clusterwide=True, standalone=True, stop_flag=stop)
-    )
-    try:
-        yield rt
-    finally:
-        stop.set_result(None)
-        # kopf gives every task spawned after its start 5 s to end on its own (the test's servers'
-        # connection tasks among them); past a short grace, cancel it, as SIGTERM twice would.
-        done, _ = await asyncio.wait({task}, timeout=STOP_GRACE_S)
-        if not done:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-
-
-def _obj(k8s: Any, resource: str, name: str) -> dict[str, Any] | None:
-    try:
-        obj = k8s.objects[resource, NS, name]
-    except KeyError:
-        return None
-    return None if obj.deleted else dict(obj.raw)
-
-
-def _cond(pool: dict[str, Any] | None, type_: str) -> dict[str, Any]:
-    for c in ((pool or {}).get("status") or {}).get("conditions") or ():
-        if c["type"] == type_:
-            return dict(c)
-    return {}
 
 
 def kstatus(pool: dict[str, Any] | None) -> str:
@@ -123,13 +78,6 @@ def events(k8s: Any, pool: str) -> list[dict[str, Any]]:
 
 def _versions(k8s: Any, resource: str, name: str) -> int:
     return len(k8s.objects[resource, NS, name].history)
-
-
-async def _api(session: aiohttp.ClientSession, method: str, url: str, body: Any, ctype: str) -> dict[str, Any]:
-    async with session.request(method, url, json=body, headers={"Content-Type": ctype}) as resp:
-        payload = await resp.json()
-        assert resp.status < 300, payload
-        return dict(payload)
 
 
 async def test_pool_lifecycle(

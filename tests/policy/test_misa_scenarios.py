@@ -34,13 +34,13 @@ def make_runner(
             ClassSpec(name="agentic", share=50, multi_turn=True),
         )
     )
-    settings = PolicySettings(
-        name=name,
-        kv_budget_fraction=1.0,
-        footprint=FootprintSettings(min_samples=1, bootstrap_tokens=1000),
-        residency=ResidencySettings(min_samples=1),
-        **overrides,  # type: ignore[arg-type]
-    )
+    fields: dict[str, object] = {
+        "kv_budget_fraction": 1.0,
+        "footprint": FootprintSettings(min_samples=1, bootstrap_tokens=1000),
+        "residency": ResidencySettings(min_samples=1),
+        **overrides,
+    }
+    settings = PolicySettings(name=name, **fields)  # type: ignore[arg-type]
     return PolicyRunner(MisaPolicy(settings, mix), mix)
 
 

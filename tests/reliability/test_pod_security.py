@@ -36,9 +36,17 @@ def router_deployment(path: Path) -> dict[str, Any]:
     obj = yaml.safe_load(path.read_text())
     ref = render_mod.PoolRef(obj["metadata"]["name"], "rl", "0c7f3e8a-1111-4222-8333-944455556666", 1)
     desired = render_mod.render(models.parse_spec(obj["spec"]), ref, "t")
-    deps = [o for o in desired.objects() if o["kind"] == "Deployment" and "router" in o["metadata"]["name"]]
+    deps = [o for o in desired.objects() if o["kind"] == "Deployment" and o["metadata"]["name"] == ref.names.router]
     assert len(deps) == 1
     return deps[0]
+
+
+def shard_workloads(path: Path) -> list[dict[str, Any]]:
+    """With router shards: the shards' StatefulSet and the HAProxy Deployment in front of them."""
+    obj = yaml.safe_load(path.read_text())
+    ref = render_mod.PoolRef(obj["metadata"]["name"], "rl", "0c7f3e8a-1111-4222-8333-944455556666", 1)
+    desired = render_mod.render(models.parse_spec(obj["spec"]), ref, "t")
+    return [o for o in (desired.router_statefulset, desired.proxy_deployment) if o is not None]
 
 
 def chart_template(name: str) -> dict[str, Any]:
@@ -79,6 +87,19 @@ def test_router_pod_is_locked_down(pool: Path) -> None:
     secret_vols = {v["name"] for v in pod["volumes"] if "secret" in v}
     assert all(m.get("readOnly") for m in mounts.values() if m["name"] in secret_vols)
     assert "--admin-token-file" in " ".join(container["command"] + container.get("args", []))
+
+
+SHARDED = [p for p in POOLS if shard_workloads(p)]
+
+
+@pytest.mark.parametrize("pool", SHARDED, ids=lambda p: p.name)
+def test_shard_and_proxy_pods_are_locked_down(pool: Path) -> None:
+    for obj in shard_workloads(pool):
+        pod = obj["spec"]["template"]["spec"]
+        (container,) = pod["containers"]
+        assert locked_down(container, pod) == [], obj["metadata"]["name"]
+        assert {"cpu", "memory"} <= set(container["resources"]["limits"]), obj["metadata"]["name"]
+        assert pod.get("automountServiceAccountToken") is False, obj["metadata"]["name"]
 
 
 def test_router_pod_has_resource_limits_by_default() -> None:

@@ -1,0 +1,207 @@
+"""Router shards behind the real HAProxy: session stability, a shard killed under load, its return.
+
+Three ``misat router`` processes (``misat_cli.shards``, as ``misat up --shards 3`` runs them)
+in front of six fake engines, behind ``haproxy`` with the operator's rendered configuration;
+the official ``openai`` client talks to the proxy. Every answer names its shard
+(``X-Misat-Shard``) and engine (``X-Misat-Engine``), so the tests count shard changes per
+session and check each answer came from an engine its shard owns.
+
+HAProxy comes from ``scripts/system-packages.sh`` (``make test`` runs it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections import defaultdict
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import httpx2
+import openai
+import pytest
+
+from misat_cli.shards import ShardSet, shard_set
+from misat_router.sharding import SHARD_HEADER
+from tests.support.fake_engine import FakeEngine
+from tests.support.router_config import MODEL, router_config
+
+WAIT_S = 20.0
+"""Bound of every wait (shard start-up on a shared 2-core machine included)."""
+N_ENGINES, N_SHARDS = 6, 3
+PEER_PROBES = {"peer_probe_interval_s": 0.1, "peer_probe_timeout_s": 0.5, "peer_down_after_failures": 2}
+POLL_S = 0.05
+"""Spacing of the bounded polls of what only shows in answers (the proxy's view of a shard)."""
+
+
+class Attempts:
+    """Counts HTTP attempts the client library made (its own retries, were any allowed, included)."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    async def hook(self, request: httpx2.Request) -> None:
+        self.n += 1
+
+
+@pytest.fixture
+async def engines() -> AsyncIterator[list[FakeEngine]]:
+    started = [FakeEngine(f"e{i}") for i in range(N_ENGINES)]
+    for e in started:
+        await e.start()
+    yield started
+    for e in started:
+        await e.close()
+
+
+@pytest.fixture
+async def shards(engines: list[FakeEngine], tmp_path: Path) -> AsyncIterator[ShardSet]:
+    config = router_config([e.url for e in engines], hold_deadline_s=15.0)
+    async with shard_set(config, N_SHARDS, tmp_path, admin_token="t", proxy_log=True, **PEER_PROBES) as s:
+        yield s
+
+
+async def shard_statuses(s: ShardSet, only: list[int] | None = None) -> dict[int, dict[str, Any]]:
+    out = {}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0)) as http:
+        for i, url in enumerate(s.shard_urls):
+            if only is not None and i not in only:
+                continue
+            async with http.get(f"{url}/status") as resp:
+                out[i] = (await resp.json())["shard"]
+    return out
+
+
+async def wait_ownership(s: ShardSet, live: list[int], timeout_s: float = WAIT_S) -> dict[int, list[str]]:
+    """Wait (bounded) until every shard of ``live`` sees exactly ``live`` alive; their owned sets."""
+    async with asyncio.timeout(timeout_s):
+        while True:
+            st = await shard_statuses(s, live)
+            if all(v["live"] == live for v in st.values()):
+                return {i: v["owned_engines"] for i, v in st.items()}
+            await asyncio.sleep(POLL_S)  # bounded poll of another process's view
+
+
+def client(s: ShardSet, attempts: Attempts, max_retries: int = 0) -> openai.AsyncOpenAI:
+    """The official client through the proxy; no retries of its own by default, so every answer
+    is the proxy's and the shards' doing."""
+    http = httpx2.AsyncClient(event_hooks={"request": [attempts.hook]}, timeout=30.0)
+    return openai.AsyncOpenAI(base_url=f"{s.proxy_url}/v1", api_key="none", max_retries=max_retries,
+                              http_client=http)
+
+
+async def turn(c: openai.AsyncOpenAI, sid: str, t: int) -> tuple[int, str]:
+    raw = await c.completions.with_raw_response.create(
+        model=MODEL, prompt=[1, 2, 3, t], max_tokens=2,
+        extra_headers={"X-Rollout-Class": "agentic", "X-Session-Id": sid, "X-Session-Turn": str(t)},
+    )
+    assert raw.parse().choices[0].text
+    return int(raw.headers[SHARD_HEADER]), raw.headers["X-Misat-Engine"]
+
+
+def changes(seq: list[int]) -> int:
+    return sum(1 for a, b in itertools.pairwise(seq) if a != b)
+
+
+async def test_sessions_stay_on_their_shard_and_shards_use_only_their_engines(
+    shards: ShardSet, engines: list[FakeEngine]
+) -> None:
+    owned = await wait_ownership(shards, [0, 1, 2])
+    assert sorted(e for v in owned.values() for e in v) == sorted(e.url for e in engines)
+    attempts = Attempts()
+    c = client(shards, attempts)
+    seen: dict[str, list[int]] = defaultdict(list)
+    wrong_engine: list[tuple[int, str]] = []
+
+    async def session(k: int) -> None:
+        for t in range(5):
+            shard, engine = await turn(c, f"s{k}", t)
+            seen[f"s{k}"].append(shard)
+            if engine not in owned[shard]:
+                wrong_engine.append((shard, engine))
+
+    await asyncio.gather(*(session(k) for k in range(40)))
+    assert sum(changes(v) for v in seen.values()) == 0  # counted: no session changed shard
+    assert {v[0] for v in seen.values()} == {0, 1, 2}  # the hash spread the sessions
+    assert wrong_engine == []
+    assert attempts.n == 200  # no retry was needed
+
+    # Without a session id the proxy balances round robin.
+    no_session = []
+    for _ in range(9):
+        raw = await c.completions.with_raw_response.create(
+            model=MODEL, prompt=[1], max_tokens=1, extra_headers={"X-Rollout-Class": "rlvr"})
+        no_session.append(int(raw.headers[SHARD_HEADER]))
+    assert sorted(set(no_session)) == [0, 1, 2]
+
+    # Admin calls are refused by the proxy (they must reach every shard), in the OpenAI error shape.
+    async with aiohttp.ClientSession() as http, http.post(f"{shards.proxy_url}/admin/pause") as resp:
+        assert resp.status == 501
+        assert (await resp.json())["error"]["code"] == "admin_through_shard_proxy"
+    await c.close()
+
+
+async def test_a_shard_killed_under_load_loses_no_request_and_its_return_reattaches(
+    shards: ShardSet, engines: list[FakeEngine]
+) -> None:
+    steady = await wait_ownership(shards, [0, 1, 2])
+    attempts = Attempts()
+    c = client(shards, attempts)
+    seen: dict[str, list[int]] = defaultdict(list)
+    answered = 0
+    enough = asyncio.Event()
+    killed = asyncio.Event()
+    after_kill: dict[str, list[int]] = defaultdict(list)
+    n_sessions, n_turns = 30, 12
+
+    async def session(k: int) -> None:
+        nonlocal answered
+        sid = f"k{k}"
+        for t in range(n_turns):
+            was_killed = killed.is_set()
+            shard, _ = await turn(c, sid, t)
+            seen[sid].append(shard)
+            if was_killed:
+                after_kill[sid].append(shard)
+            answered += 1
+            if answered >= n_sessions * 3:
+                enough.set()
+
+    load = asyncio.gather(*(session(k) for k in range(n_sessions)), return_exceptions=True)
+    async with asyncio.timeout(WAIT_S):
+        await enough.wait()
+    shards.kill_shard(1)
+    killed.set()
+    results = await load
+    errors = [r for r in results if isinstance(r, BaseException)]
+    assert errors == []  # counted: every request got an answer
+    assert answered == n_sessions * n_turns
+    on_one = [sid for sid, v in seen.items() if v[0] == 1]
+    assert on_one, "the hash put no session on shard 1"
+    for sid, v in seen.items():
+        if v[0] != 1:
+            assert changes(v) == 0, (sid, v)  # other shards' sessions did not move
+    moved = [sid for sid in on_one if after_kill[sid] and 1 not in after_kill[sid]]
+    assert moved  # shard 1's sessions continued elsewhere
+    assert attempts.n == answered  # max_retries=0: the proxy's retries alone answered them all
+    redispatched = shards.redispatched()
+
+    # Its engines were re-homed on the survivors, who keep their own.
+    rehomed = await wait_ownership(shards, [0, 2])
+    assert sorted(rehomed[0] + rehomed[2]) == sorted(e.url for e in engines)
+    assert set(steady[0]) <= set(rehomed[0]) and set(steady[2]) <= set(rehomed[2])
+
+    # Restarted, it re-attaches: its engines come back, and so do its sessions.
+    await shards.start_shard(1)
+    assert await wait_ownership(shards, [0, 1, 2]) == steady
+    sid = on_one[0]
+    async with asyncio.timeout(WAIT_S):
+        t = n_turns
+        while (await turn(c, sid, t))[0] != 1:  # until the proxy's health check sees it up
+            t += 1
+            await asyncio.sleep(POLL_S)
+    await c.close()
+    print(f"shard kill: {answered} requests answered, 0 lost, {len(moved)} of {len(on_one)} sessions of "
+          f"shard 1 moved, {redispatched} requests redispatched by the proxy, 0 client retries")
