@@ -251,11 +251,11 @@ class PolicySettings(_Settings):
     name: PolicyName = Field(
         PolicyName.MISA,
         description="misa-t, misa, session-admission (MISA-T and its ablations), cache-aware (the "
-        "vLLM Router's policy), least-loaded or round-robin. Default misa, chosen by measurement "
-        "(docs/benchmark.md): under a trainer that caps its units in flight, each class's backlog "
-        "already grows with its residency time (Little's law), and MISA-T's extra factor T "
-        "over-weights long classes: 0.80-0.85x of the tuned baseline on continuous workloads "
-        "where MISA is at 0.96-1.28x; on iterations the two are level.",
+        "vLLM Router's policy), least-loaded or round-robin. Default misa, chosen on benchmark v1 "
+        "(short windows, one seed, units/min). Benchmark v2's seven steady mixtures rank it last "
+        "(0.91x of each cell's oracle on average, worst 0.72x) and MISA-T with residency.exponent "
+        "0.5 first (0.99x, worst 0.93x); the default changes once the whole v2 matrix has run "
+        "(docs/policy.md).",
     )
     budget_basis: Literal["demand", "target"] = Field(
         "demand",
