@@ -24,7 +24,7 @@ import hashlib
 import json
 import re
 import statistics
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from enum import StrEnum
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -587,33 +587,29 @@ def _balance(cell: Cell, seed: int, pair: tuple[int, float], ceiling: int) -> Ru
 
 def _sweep(cell: Cell, seed: int, s: BenchSettings, rate: RateOf, plan: Plan) -> tuple[dict[int, float], bool]:
     """Add the cell's sweep for ``seed`` to ``plan``; returns the known points and whether more are to come."""
-    coarse = s.ceilings(cell.engines)
     points: dict[int, float] = {}
-    pending = False
-    for c in coarse:
-        spec = sweep_run(cell, seed, c)
-        plan.runs.append(spec)
-        r = rate(spec)
-        if r is None:
-            pending = True
-        else:
-            points[c] = r
-    if pending:
+
+    def measure(ceilings: Sequence[int]) -> bool:
+        """Plan ``ceilings``; True when every one of them has a result already."""
+        done = True
+        for c in ceilings:
+            spec = sweep_run(cell, seed, c)
+            plan.runs.append(spec)
+            r = rate(spec)
+            if r is None:
+                done = False
+            else:
+                points[c] = r
+        return done
+
+    if not measure(s.ceilings(cell.engines)):
         return points, True
     refined = 0
     while refined < s.refine_max_points:
         extra = refine_ceilings(points)[: s.refine_max_points - refined]
         if not extra:
             break
-        for c in extra:
-            spec = sweep_run(cell, seed, c)
-            plan.runs.append(spec)
-            r = rate(spec)
-            if r is None:
-                pending = True
-            else:
-                points[c] = r
-        refined += len(extra)
-        if pending:
+        if not measure(extra):
             return points, True
+        refined += len(extra)
     return points, False
