@@ -98,8 +98,11 @@ class DemoSettings(BaseModel):
         2, ge=1, description="engine replicas (None: the manifest's); two by default so that on a 2-core "
         "machine the engines, this router's process and the trainer all keep up at the time scale")
     time_scale: float = Field(6.0, gt=0, description="modelled seconds per wall second")
-    duration_s: float = Field(420.0, gt=0, description="modelled seconds per run, warm-up included")
-    warmup_s: float = Field(140.0, ge=0, description="modelled seconds excluded from every figure")
+    duration_s: float = Field(960.0, gt=0, description="modelled seconds per run, warm-up included")
+    warmup_s: float = Field(
+        600.0, ge=0, description="modelled seconds excluded from every figure: the benchmark's steady-state "
+        "rule (at least 5x the longest class's median residency, RLVR's ~95 s here; docs/benchmark.md), "
+        "since admission policies' estimators are still filling before it")
     high_ceiling: int = Field(512, ge=1, description="the trainer ceiling of the untuned and high rows")
     tune_ceilings: tuple[int, ...] = Field((64, 96, 128, 160, 192, 256, 384),
                                            description="the cluster sweep for the tuned ceiling")

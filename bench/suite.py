@@ -135,9 +135,9 @@ POLICY_VARIANTS: dict[str, PolicySettings] = {
 }
 """Policies under test by name, each run at the high ceiling with no per-cell tuning. Add a
 variant here (a T-shape, a footprint estimator) and name it in ``--policies``; a variant equal
-to another (``default`` and ``misa`` while MISA is the default) runs once (same digest)."""
+to another (``default`` and ``misa-t`` while MISA-T is the default) runs once (same digest)."""
 
-DEFAULT_POLICIES: tuple[str, ...] = (DEFAULT_POLICY, "misa-t", "misa", "session-admission")
+DEFAULT_POLICIES: tuple[str, ...] = (DEFAULT_POLICY, "misa-t-sqrt", "misa", "session-admission")
 """The variants the full suite runs."""
 
 
@@ -288,7 +288,7 @@ class BenchSettings(BaseModel):
 
 QUICK = BenchSettings(
     engines=2, large_fleet_engines=(), seeds=(0, 1), mixtures=(PAPER_MIXTURE, "rlvr70"),
-    changing=(WorkloadName.MIX_SHIFT, WorkloadName.ITERATIONS), policies=(DEFAULT_POLICY, "misa-t"),
+    changing=(WorkloadName.MIX_SHIFT, WorkloadName.ITERATIONS), policies=(DEFAULT_POLICY, "misa"),
     steady_state=SteadyStateSettings(window_s=20.0, warmup_factor=2.0, warmup_floor_s=40.0, min_class_samples=10,
                                      measure_s=80.0, max_duration_s=400.0),
     ceilings_per_engine=(16, 32), high_per_engine=64, request_limits_per_engine=(16,), refine_max_points=2,
@@ -414,7 +414,9 @@ def cluster_config(run: RunSpec, s: BenchSettings) -> ClusterConfig:
     case = workload_case(cell, s, seed)
     engine = s.engine_config(seed)
     if case.kv_factor != 1.0:
-        blocks = engine.resolve().num_gpu_blocks
+        # Blocks at the bench's block size: the cluster applies it to the engines, and a count
+        # resolved at the profile's 16 would stand for 4x the tokens at 64.
+        blocks = engine.model_copy(update={"block_size": s.block_size}).resolve().num_gpu_blocks
         engine = engine.model_copy(update={"num_gpu_blocks": max(2, round(blocks * case.kv_factor))})
     if run.steady_state:
         duration, warmup = s.steady_state.max_duration_s, s.steady_state.warmup_floor_s

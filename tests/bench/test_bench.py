@@ -134,7 +134,6 @@ def test_every_policy_of_a_cell_and_seed_replays_the_same_sessions() -> None:
 
 def test_cells_shape_the_cluster() -> None:
     s = BenchSettings()
-    blocks = SimEngineConfig(profile=s.profile).resolve().num_gpu_blocks
 
     def cfg(cell: str):  # type: ignore[no-untyped-def]
         (c,) = parse_cells(cell, s)
@@ -142,8 +141,13 @@ def test_cells_shape_the_cluster() -> None:
                                       baseline=Baseline.SWEEP, policy=POLICY_VARIANTS["misa"], ceiling=64, label="x",
                                       steady_state=True), s)
 
-    assert cfg("kv-half@paper").engine.num_gpu_blocks == round(blocks / 2)
-    assert cfg("kv-double@paper").engine.num_gpu_blocks == blocks * 2
+    # KV changes in tokens, as the engines run them (at the bench's block size, not the profile's).
+    def kv_tokens(cell: str) -> int:
+        return cfg(cell).with_granularity().engine.resolve().kv_capacity_tokens
+
+    steady = kv_tokens("steady@paper:4")
+    assert kv_tokens("kv-half@paper") == pytest.approx(steady / 2, abs=s.block_size)
+    assert kv_tokens("kv-double@paper") == pytest.approx(steady * 2, abs=2 * s.block_size)
     it = cfg("iterations@paper")
     assert it.iterations == s.iterations and it.iteration_units == s.iteration_units_per_engine * 4
     shift = cfg("mix-shift@paper").workload

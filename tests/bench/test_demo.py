@@ -22,7 +22,7 @@ def test_demo_runs_three_rows_side_by_side_and_writes_its_report(tmp_path: Path)
     assert roles == ["untuned", "tuned", "high"]
     untuned, tuned, high = result["rows"]
     # Names match what ran: the manifest's policy, the tuned ceiling the sweep picked.
-    assert untuned["spec"]["policy"] == "misa" and "misa" in untuned["spec"]["label"]
+    assert untuned["spec"]["policy"] == "misa-t" and "misa-t" in untuned["spec"]["label"]
     sweep = json.loads((out / "tuning.json").read_text())
     (entry,) = sweep.values()
     assert tuned["spec"]["ceiling"] == entry["ceiling"] and high["spec"]["ceiling"] == 48

@@ -131,7 +131,7 @@ def test_router_command_and_mounts(mixed_pool: dict[str, Any], pool_ref: PoolRef
 
 
 ROUTER_ONLY_CHANGES = [
-    ("admission-policy", lambda s: s["admission"].update(policy="misa-t")),
+    ("admission-policy", lambda s: s["admission"].update(policy="misa")),
     ("admission-setting", lambda s: s["admission"]["sessionAdmission"].update(confirmEpochs=7)),
     ("workload-shares", lambda s: s["workloads"][0].update(share=38.6) or s["workloads"][1].update(share=43.2)),
     ("new-class", lambda s: s["workloads"].append({"name": "chat", "share": 0})),
