@@ -3,7 +3,7 @@
 On loopback: ``--engines`` simulated vLLM engines, each in its own process as in a
 deployment (``misat_sim``, tiny-cpu geometry with a larger KV cache, fast ``--time-scale``;
 ``--in-process-engines`` puts them in this process), and in this process the real
-router app (MISA-T, served with ``misat_router.server.SERVER_OPTIONS``) and ``--sessions``
+router (MISA-T, served as ``misat router`` serves it: ``misat_router.service.RouterService``) and ``--sessions``
 client tasks. Each client runs sessions back to back until ``--duration`` ends: an agentic
 session of 2-4 streamed turns, or a single streamed RLVR/RLHF request; every request asks
 for usage in the stream. Then the clients stop, the load drains, and the run reports:
@@ -47,7 +47,8 @@ from misat_cli.processes import free_port, start_process, stop_processes
 from misat_router.app import create_app
 from misat_router.config import RouterConfig
 from misat_router.memory import DEFAULT_MMAP_THRESHOLD_BYTES, pin_mmap_threshold
-from misat_router.server import LISTEN_BACKLOG, SERVER_OPTIONS
+from misat_router.server import LISTEN_BACKLOG
+from misat_router.service import start_service
 from misat_router.state import STATE
 from misat_sim.config import SimEngineConfig
 from misat_sim.server import LISTEN_BACKLOG as SIM_LISTEN_BACKLOG
@@ -323,10 +324,8 @@ async def run_soak(cfg: SoakConfig, log: Any = print) -> SoakReport:
         engines = [await start_engine(i, cfg) for i in range(cfg.engines)]
         urls = [f"http://127.0.0.1:{port_of(e)}" for e in engines]
     app = create_app(router_config(urls), admin_token=None)
-    router = web.AppRunner(app, **SERVER_OPTIONS)  # type: ignore[arg-type]
-    await router.setup()
-    await web.TCPSite(router, "127.0.0.1", 0, backlog=LISTEN_BACKLOG).start()
-    url = f"http://127.0.0.1:{port_of(router)}"
+    router = await start_service(app, backlog=LISTEN_BACKLOG)
+    url = router.url
     engine_ports = {int(u.rsplit(":", 1)[1]) for u in urls}
     state = app[STATE]
     await state.wait_until(lambda: state.registry.healthy_count() == cfg.engines, 30.0)
@@ -352,7 +351,7 @@ async def run_soak(cfg: SoakConfig, log: Any = print) -> SoakReport:
                 "t": round(elapsed, 1), "rss_mb": round(rss_mb(), 1), "fds": open_fds(),
                 "requests": report.requests, "in_flight": len(state.dispatcher.in_flight),
                 "held": state.runner.held_count(),
-            } | socket_counts(port_of(router), engine_ports) | index_fill(state)
+            } | socket_counts(router.port, engine_ports) | index_fill(state)
             report.samples.append(sample)
             log(json.dumps(sample))
             # Warm once the warm-up has passed, every worker has its connection (on a starved
@@ -412,7 +411,7 @@ async def run_soak(cfg: SoakConfig, log: Any = print) -> SoakReport:
     if child is None:
         report.ttfb_p50_s, report.ttfb_p99_s = quantile(clients.ttfb, 0.5), quantile(clients.ttfb, 0.99)
     await http.close()
-    await router.cleanup()
+    await router.stop()
     for e in engines:
         await e.cleanup()
     stop_processes((proc for _, proc in procs), timeout_s=10.0)

@@ -26,7 +26,6 @@ from typing import Any
 
 import aiohttp
 import yaml
-from aiohttp import web
 from pydantic import ValidationError
 
 from misat_operator.models import RolloutPoolSpec, describe_spec_error, parse_spec, pool_name_error
@@ -35,7 +34,8 @@ from misat_operator.router_client import RouterClient, RouterUnavailable
 from misat_router.app import create_app
 from misat_router.config import EnginesConfig, RouterConfig
 from misat_router.policy.settings import PolicyName
-from misat_router.server import LISTEN_BACKLOG, SERVER_OPTIONS
+from misat_router.server import LISTEN_BACKLOG
+from misat_router.service import RouterService
 
 from .processes import ProcessStartError, free_port, start_process, stop_processes, wait_http_ok
 from .shards import ShardsError, shard_set, sharded_config
@@ -309,7 +309,7 @@ async def local_pool(
         unreachable: list[str] = []
     else:
         unreachable = await unreachable_engines(engine_urls)
-    runner: web.AppRunner | None = None
+    service: RouterService | None = None
     n_shards = shards if shards is not None else spec.router.shards
     try:
         config = render_local_config(name, spec, engine_urls, 1, policy=policy, length_scale=length_scale)
@@ -332,14 +332,13 @@ async def local_pool(
                 raise PoolError(str(exc)) from None
             return
         # Served exactly as `misat router` serves it.
-        runner = web.AppRunner(create_app(config, admin_token=token), **SERVER_OPTIONS)  # type: ignore[arg-type]
-        await runner.setup()
-        site = web.TCPSite(runner, host, port, backlog=LISTEN_BACKLOG)
+        service = RouterService(create_app(config, admin_token=token))
         try:
-            await site.start()
+            await service.start(host, port, backlog=LISTEN_BACKLOG)
         except OSError as exc:
+            service = None  # start() closed what it had opened
             raise PoolError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
-        bound = runner.addresses[0][1]
+        bound = service.port
         pool = LocalPool(name, spec, f"http://{host}:{bound}", token, engine_urls, config, length_scale, policy,
                          simulated=bool(engines), warnings=unreachable)
         try:
@@ -347,8 +346,8 @@ async def local_pool(
         finally:
             await pool.client.close()
     finally:
-        if runner is not None:
-            await runner.cleanup()
+        if service is not None:
+            await service.stop()
         stop_engines(engines)
 
 

@@ -38,7 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .config import RouterConfig
 from .errors import AdminDisabled, InvalidRequest, NotFound, Unauthorized
-from .proxy import GENERATION_PREFIX, read_body
+from .passthrough import GENERATION_PREFIX, read_body
 from .request_meta import decode_json_object
 from .state import STATE, RouterState
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from . import admin, lifecycle, ops_endpoints, proxy, shard_peers
+from . import admin, lifecycle, ops_endpoints, passthrough, shard_peers
 from .config import RouterConfig
 from .http_errors import error_middleware
 from .state import STATE, Clock, RouterState
@@ -43,7 +43,7 @@ def create_app(
     app = web.Application(middlewares=[error_middleware(state.metrics.invalid.inc)])
     app[STATE] = state
     ops_endpoints.add_routes(app)
-    proxy.add_routes(app)
+    passthrough.add_routes(app)
     admin.add_routes(app)
     app.cleanup_ctx.append(lifecycle.sessions_ctx)
     app.cleanup_ctx.append(lifecycle.background_ctx)

@@ -213,8 +213,10 @@ class Dispatcher:
     # ---- releasing held work --------------------------------------------
 
     def kick(self) -> None:
-        """Ask the epoch loop to re-check held work now (coalesced)."""
-        self._kick.set()
+        """Ask the epoch loop to re-check held work now (coalesced; nothing to do when nothing is held,
+        and a finish kicks on every request)."""
+        if self._waiters:
+            self._kick.set()
 
     def release(self) -> int:
         now = self._clock()

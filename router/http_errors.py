@@ -9,6 +9,7 @@ with its traceback, never shown to the client).
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable
 
@@ -55,13 +56,31 @@ def http_status(exc: RouterError) -> int:
     return INTERNAL_ERROR_STATUS
 
 
-def error_response(exc: RouterError) -> web.Response:
+def error_headers(exc: RouterError) -> dict[str, str]:
+    """Headers an error answer carries besides its body (``Retry-After``, ``WWW-Authenticate``)."""
     headers = {}
     if isinstance(exc, HoldDeadlineExceeded):
         headers["Retry-After"] = str(exc.retry_after_s)
     if isinstance(exc, Unauthorized):
         headers["WWW-Authenticate"] = "Bearer"
-    return web.json_response(error_body(exc), status=http_status(exc), headers=headers)
+    return headers
+
+
+def error_answer(exc: RouterError) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    """The whole answer to a domain error as the data plane sends it: (status, headers, JSON body)."""
+    headers = [(b"Content-Type", b"application/json")]
+    headers += [(k.encode(), v.encode()) for k, v in error_headers(exc).items()]
+    return http_status(exc), headers, json.dumps(error_body(exc)).encode()
+
+
+def http_error_body(status: int, message: str, code: str) -> bytes:
+    """An error body for a refusal at the HTTP level (malformed request, limits), OpenAI-shaped."""
+    return json.dumps(openai_error_body(message, _HTTP_ERROR_TYPES.get(status, "invalid_request_error"),
+                                        code=code)).encode()
+
+
+def error_response(exc: RouterError) -> web.Response:
+    return web.json_response(error_body(exc), status=http_status(exc), headers=error_headers(exc))
 
 
 def error_middleware(on_invalid: Callable[[], None]) -> Middleware:
@@ -103,5 +122,6 @@ async def _answer_errors(
         return web.json_response(body, status=INTERNAL_ERROR_STATUS)
 
 
-_HTTP_ERROR_TYPES = {404: "not_found_error", 405: "invalid_request_error"}
-"""OpenAI ``error.type`` of aiohttp's own HTTP errors (others: ``invalid_request_error``)."""
+_HTTP_ERROR_TYPES = {404: "not_found_error", 405: "invalid_request_error", 500: "server_error",
+                     501: "invalid_request_error"}
+"""OpenAI ``error.type`` of HTTP-level refusals, aiohttp's or the data plane's (others: ``invalid_request_error``)."""

@@ -1,7 +1,8 @@
 """What runs beside the handlers, and how it starts and stops.
 
-- ``sessions_ctx`` (a ``cleanup_ctx``) owns the pooled upstream
-  ``ClientSession`` (``RecentFirstConnector``) and a small probe session;
+- ``sessions_ctx`` (a ``cleanup_ctx``) owns the data plane's engine connections
+  (``upstream.UpstreamPool``), the control plane's ``ClientSession`` (admin
+  fan-out, pass-through) and a small probe session;
 - ``background_ctx`` runs the loops: engine resolution (static URLs or a
   headless Service's DNS), health checks, scrapes, the dispatcher's epochs,
   and the config-file watcher when a path was given;
@@ -18,11 +19,11 @@ from collections.abc import AsyncIterator
 import aiohttp
 from aiohttp import web
 
-from .connector import RecentFirstConnector
 from .engines import resolve_service
 from .reload import watch_config_file
 from .scrape import EngineProbes, wait_event
 from .state import STATE, RouterState
+from .upstream import UpstreamPool
 
 log = logging.getLogger(__name__)
 
@@ -33,10 +34,13 @@ PROBE_CONNECTIONS_PER_ENGINE = 2
 
 async def sessions_ctx(app: web.Application) -> AsyncIterator[None]:
     s = app[STATE]
+    cfg = s.config
+    s.upstream_pool = UpstreamPool(
+        keepalive_s=cfg.upstream_keepalive_s, connect_timeout_s=cfg.upstream_connect_timeout_s,
+        read_timeout_s=cfg.upstream_timeout_s, max_connections=cfg.upstream_max_connections,
+    )
     s.upstream = aiohttp.ClientSession(
-        connector=RecentFirstConnector(
-            limit=s.config.upstream_max_connections or 0, keepalive_timeout=s.config.upstream_keepalive_s
-        ),
+        connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=cfg.upstream_keepalive_s),
         auto_decompress=False,
         timeout=aiohttp.ClientTimeout(total=None),
     )
@@ -44,9 +48,11 @@ async def sessions_ctx(app: web.Application) -> AsyncIterator[None]:
         connector=aiohttp.TCPConnector(limit_per_host=PROBE_CONNECTIONS_PER_ENGINE, limit=0),
     )
     yield
+    await s.upstream_pool.close()
     await s.upstream.close()
     await s.probe_session.close()
     s.upstream = None
+    s.upstream_pool = None
 
 
 async def resolve_engines_loop(s: RouterState) -> None:

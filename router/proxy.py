@@ -1,148 +1,116 @@
-"""The OpenAI-compatible endpoints: admit, forward, relay, and report the completion.
+"""The data plane's generation endpoints: admit, forward, relay, and report the completion.
 
-``/v1/completions`` and ``/v1/chat/completions``:
+``POST /v1/completions`` and ``POST /v1/chat/completions`` (served by
+``downstream.DataPlaneServer``; every other path goes to the control app,
+``service.py``):
 
-1. read the body (bounded by ``max_body_bytes``) and parse the rollout
-   metadata (``request_meta.py``); a malformed request never reaches a policy;
+1. the body (bounded by ``max_body_bytes`` in the server) is parsed for the
+   rollout metadata (``request_meta.py``); a malformed request never reaches a
+   policy;
 2. ``Dispatcher.admit``: placed at once, or held until an epoch places it;
-3. forward to the engine; a connection failure before any byte went to the
-   client takes the engine out of rotation and places the request again
-   (at most ``max_placement_attempts`` engines);
+3. forward to the engine over the pooled connections of ``upstream.py``: the
+   body bytes as the client sent them (or without the ``rollout`` object),
+   the client's end-to-end headers. A connection failure before any byte went
+   to the client takes the engine out of rotation and places the request
+   again (at most ``max_placement_attempts`` engines); a pooled connection the
+   engine had closed is retried once, fresh, without blaming the engine;
 4. relay the answer unchanged: status, end-to-end headers, body bytes, and
-   for streams each chunk as it arrives (SSE framing intact);
+   for streams each chunk as it arrives (SSE framing intact). Chunks are not
+   parsed: ``SseUsageTracker`` looks at bytes, decoding only the events that
+   can carry usage, a finish or the stream's id;
 5. ``runner.finish`` with the usage the engine reported: ``usage`` of a JSON
-   answer, or of the final usage chunk of a stream (``stream_options.
-   include_usage``). Without usage the router estimates: prompt tokens from
-   the request, completion tokens = streamed content events (about one token
-   each in vLLM), or 0 for a JSON answer without usage.
+   answer (read off its tail), or of the final usage chunk of a stream
+   (``stream_options.include_usage``). Without usage the router estimates:
+   prompt tokens from the request, completion tokens = streamed content
+   events (about one token each in vLLM), or 0 for a JSON answer without usage.
 
-A client that goes away (handler cancelled) while held or streaming releases
-its ledger entry or its placement, and the upstream connection is closed so
-the engine aborts the request. If the engine breaks mid-stream the client
-gets an SSE error event and the stream ends.
-
-``/v1/models`` and ``/tokenize`` go to any healthy engine, no admission.
-``POST /v1/sessions/{id}/end`` ends a multi-turn session explicitly.
+A client that goes away (the server cancels the handler) while held or
+streaming releases its ledger entry or its placement, and the upstream
+connection is closed so the engine aborts the request. If the engine breaks
+mid-stream the client gets an SSE error event and the stream ends.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import itertools
 import json
 import logging
 import os
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass
 
-import aiohttp
-from aiohttp import web
-from multidict import CIMultiDict
-
-from .errors import BodyTooLarge, InvalidRequest, NotFound, ShuttingDown, UpstreamUnavailable, openai_error_body
+from .downstream import HOP_BY_HOP, NOT_RELAYED_IN_ANSWERS, IncomingRequest, Responder
+from .errors import InvalidRequest, RouterError, ShuttingDown, UpstreamUnavailable, openai_error_body
+from .http_errors import error_answer
 from .metrics import Outcome
 from .policy.types import Completion, RequestMeta
 from .request_meta import EndpointKind, ParsedRequest, parse_request
-from .state import STATE, RouterState
+from .state import RouterState
+from .upstream import (
+    BadAnswer,
+    ConnectFailed,
+    ConnectionBroke,
+    ReadTimeout,
+    StaleConnection,
+    UpstreamError,
+    UpstreamResponse,
+)
 from .usage import SseUsageTracker, usage_from_json
 
 log = logging.getLogger(__name__)
 
-ENGINE_HEADER = "X-Misat-Engine"
+ENGINE_HEADER = b"X-Misat-Engine"
 """Response header naming the engine that served the request."""
-ABORT_HEADER = "X-Misat-Abort"
-WARNING_HEADER = "X-Misat-Warning"
-"""On answers to requests accepted as written but probably not meant so (ParsedRequest.warning)."""
+ABORT_HEADER = b"X-Misat-Abort"
 """On an answer the router itself aborted (``router``): output the engine had made was lost."""
-COMPLETIONS_PATH = "/v1/completions"
-CHAT_PATH = "/v1/chat/completions"
-GENERATION_PREFIX = "/v1/"
-"""Engine paths that generate: never reachable through the admin pass-through."""
+WARNING_HEADER = b"X-Misat-Warning"
+"""On answers to requests accepted as written but probably not meant so (ParsedRequest.warning)."""
+COMPLETIONS_PATH = b"/v1/completions"
+CHAT_PATH = b"/v1/chat/completions"
+GENERATION_PATHS = {COMPLETIONS_PATH: EndpointKind.COMPLETIONS, CHAT_PATH: EndpointKind.CHAT}
+"""The paths the data plane serves itself."""
+EVENT_STREAM = b"text/event-stream"
 
-HOP_BY_HOP = frozenset(
-    h.lower()
-    for h in (
-        "Connection", "Keep-Alive", "Proxy-Authenticate", "Proxy-Authorization", "TE",
-        "Trailer", "Transfer-Encoding", "Upgrade", "Content-Length", "Host",
-    )
-)
-"""Headers that describe one connection, never forwarded in either direction."""
+_NOT_FORWARDED = HOP_BY_HOP | {b"accept-encoding", b"expect"}
+"""Request headers the router does not pass upstream (it sets ``Accept-Encoding`` itself)."""
 
-CONNECT_FAILURES = (
-    aiohttp.ClientConnectorError,
-    aiohttp.ServerDisconnectedError,
-    aiohttp.ClientOSError,
-    aiohttp.ConnectionTimeoutError,
-    aiohttp.ClientPayloadError,
-)
+CONNECT_FAILURES = (ConnectFailed, ConnectionBroke, StaleConnection, BadAnswer)
 """Upstream errors that mean the engine is unreachable or its connection broke: before any
 byte reached the client the request is placed again elsewhere; the engine leaves rotation."""
 
-READ_FAILURES = (aiohttp.ClientError, TimeoutError)
 
-STALE_CONNECTION = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
-"""A pooled keep-alive connection the engine closed while idle (vLLM's uvicorn does after a few
-seconds) fails the next request this way; it says nothing about the engine's health, so the
-request is sent once more on a fresh connection before the engine is counted as failed."""
-
-
-_NOT_FORWARDED = HOP_BY_HOP | {"accept-encoding"}
-"""Request headers the router does not pass upstream (it sets ``Accept-Encoding`` itself)."""
+def forward_headers(headers: list[tuple[bytes, bytes]]) -> bytes:
+    """The client's end-to-end header lines for the engine; the answer must be uncompressed
+    (relayed byte for byte, and read for usage)."""
+    lines = [k + b": " + v + b"\r\n" for k, v in headers if k.lower() not in _NOT_FORWARDED]
+    lines.append(b"Accept-Encoding: identity\r\n")
+    return b"".join(lines)
 
 
-def _forward_headers(headers: Mapping[str, str]) -> CIMultiDict[str]:
-    out: CIMultiDict[str] = CIMultiDict()
-    for k, v in headers.items():
-        if k.lower() not in _NOT_FORWARDED:
-            out.add(k, v)
-    # Byte-for-byte relay and usage parsing both need an uncompressed body.
-    out["Accept-Encoding"] = "identity"
-    return out
-
-
-def _response_headers(headers: Mapping[str, str], engine_id: str, warning: str | None = None) -> CIMultiDict[str]:
-    out: CIMultiDict[str] = CIMultiDict()
-    for k, v in headers.items():
-        if k.lower() not in HOP_BY_HOP:
-            out.add(k, v)
-    out[ENGINE_HEADER] = engine_id
+def response_headers(upstream: UpstreamResponse, engine: bytes, warning: bytes | None) -> list[tuple[bytes, bytes]]:
+    out = [(k, v) for k, v in upstream.headers if k.lower() not in NOT_RELAYED_IN_ANSWERS]
+    out.append((ENGINE_HEADER, engine))
     if warning is not None:
-        out[WARNING_HEADER] = warning
+        out.append((WARNING_HEADER, warning))
     return out
-
-
-async def _end_stream(resp: web.StreamResponse, tracker: SseUsageTracker, data: bytes) -> None:
-    """Write the last events of a relayed stream and close it; a client already gone is fine.
-    Cut mid-event, the engine's partial event is terminated first so ``data`` parses on its own."""
-    if tracker.mid_event:
-        data = b"\n\n" + data
-    try:
-        await resp.write(data)
-        await resp.write_eof()
-    except ConnectionError:
-        pass
-
-
-async def read_body(request: web.Request, limit: int) -> bytes:
-    """The request body, refused (``BodyTooLarge``) past ``limit`` bytes without reading it all."""
-    if request.content_length is not None and request.content_length > limit:
-        raise BodyTooLarge(f"request body is larger than {limit} bytes")
-    buf = bytearray()
-    try:
-        while chunk := await request.content.readany():
-            buf += chunk
-            if len(buf) > limit:
-                raise BodyTooLarge(f"request body is larger than {limit} bytes")
-    except web.RequestPayloadError as exc:  # broken chunked framing, bad Content-Encoding
-        raise InvalidRequest(f"request body could not be read: {exc}") from None
-    return bytes(buf)
 
 
 def sse_error_event(message: str) -> bytes:
     body = openai_error_body(message, "upstream_error", code="engine_stream_broken")
     return b"data: " + json.dumps(body).encode() + b"\n\ndata: [DONE]\n\n"
+
+
+async def _end_stream(out: Responder, tracker: SseUsageTracker, data: bytes) -> None:
+    """Write the last events of a relayed stream and end it; a client already gone is fine.
+    Cut mid-event, the engine's partial event is terminated first so ``data`` parses on its own."""
+    if tracker.mid_event:
+        data = b"\n\n" + data
+    try:
+        await out.write(data)
+        out.end_stream()
+    except ConnectionError:
+        pass
 
 
 # ---- forwarding -----------------------------------------------------------
@@ -157,15 +125,17 @@ class Forwarder:
     """One admitted request's trip to an engine and back."""
 
     state: RouterState
-    request: web.Request
+    request: IncomingRequest
+    out: Responder
     parsed: ParsedRequest
-    path: str
+    path: bytes
     arrived: float
     aborted: bool = False
     """Set by ``abort``: the admin API aborted this request (``/admin/pause?mode=abort``)."""
     _task: asyncio.Task[object] | None = None
+    _headers: bytes | None = None
 
-    async def run(self) -> web.StreamResponse:
+    async def run(self) -> None:
         self._task = asyncio.current_task()
         s = self.state
         meta = self.parsed.meta
@@ -178,7 +148,8 @@ class Forwarder:
             if attempt == 1:
                 s.metrics.overhead.observe(max(0.0, s.clock() - self.arrived - held_total))
             try:
-                return await self._attempt(engine)
+                await self._attempt(engine)
+                return
             except _RetryElsewhere:
                 continue
         raise UpstreamUnavailable(
@@ -186,30 +157,21 @@ class Forwarder:
             code="upstream_unavailable",
         )
 
-    def _timeout(self) -> aiohttp.ClientTimeout:
-        cfg = self.state.config
-        return upstream_timeout(cfg.upstream_connect_timeout_s, cfg.upstream_timeout_s)
-
     def _engine_failed(self, engine: str, exc: BaseException) -> None:
         s = self.state
         s.metrics.engine_failures.labels(engine).inc()
         s.registry.mark_failed(engine, f"{type(exc).__name__}: {exc}")
 
-    async def _open(self, engine: str) -> aiohttp.ClientResponse:
-        """POST upstream; a connection found closed by the engine is retried once, fresh."""
-        session = self.state.session()
-        for retry in (False, True):
-            try:
-                return await session.post(
-                    engine + self.path,
-                    data=self.parsed.body,
-                    headers=_forward_headers(self.request.headers),
-                    timeout=self._timeout(),
-                )
-            except STALE_CONNECTION:
-                if retry:
-                    raise
-        raise AssertionError("unreachable")
+    async def _open(self, engine: str) -> UpstreamResponse:
+        """POST upstream; a pooled connection found closed by the engine is retried once, fresh."""
+        pool = self.state.engine_pool()
+        origin = pool.origin(engine)
+        if self._headers is None:
+            self._headers = forward_headers(self.request.headers)
+        try:
+            return await pool.request(origin, b"POST", self.path, self._headers, self.parsed.body)
+        except StaleConnection:
+            return await pool.request(origin, b"POST", self.path, self._headers, self.parsed.body, fresh=True)
 
     def abort(self) -> None:
         """End the request now with vLLM's abort answer (``finish_reason: "abort"``): used when the
@@ -221,7 +183,7 @@ class Forwarder:
     def _take_abort(self, engine: str, completion: Completion) -> bool:
         """On a cancellation: True when it was ``abort`` alone (not also the client leaving), in
         which case the request is finished here and the caller answers the client."""
-        if not self.aborted or self._task is None or self._task.uncancel() > 0:
+        if not self.aborted or self._task is None or self._task.uncancel() > 0 or self.out.client_gone:
             return False
         meta = self.parsed.meta
         self.state.metrics.aborted.labels(meta.workload_class, "router").inc()
@@ -247,7 +209,7 @@ class Forwarder:
         return {"prompt_tokens": prompt, "completion_tokens": completion_tokens,
                 "total_tokens": prompt + completion_tokens}
 
-    def _abort_answer(self, engine: str) -> web.Response:
+    def _answer_abort(self, engine: str) -> None:
         """A JSON answer for a request aborted before the engine answered: no output reached the
         router, so every choice is empty (``X-Misat-Abort: router`` says so)."""
         chat = self.path == CHAT_PATH
@@ -259,7 +221,8 @@ class Forwarder:
             "choices": self._abort_choices(set(), stream=False),
             "usage": self._abort_usage(0),
         }
-        return web.json_response(body, headers={ENGINE_HEADER: engine, ABORT_HEADER: "router"})
+        self.out.respond_json(200, json.dumps(body).encode(),
+                              [(ENGINE_HEADER, engine.encode()), (ABORT_HEADER, b"router")])
 
     def _model(self) -> str:
         try:
@@ -277,7 +240,7 @@ class Forwarder:
         opts = obj.get("stream_options") if isinstance(obj, dict) else None
         return isinstance(opts, dict) and bool(opts.get("include_usage"))
 
-    async def _write_abort_tail(self, resp: web.StreamResponse, tracker: SseUsageTracker) -> None:
+    async def _write_abort_tail(self, tracker: SseUsageTracker) -> None:
         """Close a relayed stream as vLLM closes an aborted one: a final chunk with
         ``finish_reason: "abort"`` for every choice still open, the usage if asked, ``[DONE]``."""
         chat = self.path == CHAT_PATH
@@ -291,31 +254,34 @@ class Forwarder:
         if self._include_usage():
             events.append({**chunk, "choices": [], "usage": self._abort_usage(tracker.events)})
         data = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"
-        await _end_stream(resp, tracker, data)
+        await _end_stream(self.out, tracker, data)
 
-    async def _attempt(self, engine: str) -> web.StreamResponse:
+    async def _attempt(self, engine: str) -> None:
         s = self.state
         meta = self.parsed.meta
         s.dispatcher.on_abort(meta.request_id, self.abort)
         try:
-            async with await self._open(engine) as upstream:
-                if upstream.content_type == "text/event-stream":
-                    response = await self._relay_stream(engine, upstream)
+            upstream = await self._open(engine)
+            try:
+                if upstream.content_type == EVENT_STREAM:
+                    await self._relay_stream(engine, upstream)
                 else:
-                    response = await self._relay_body(engine, upstream)
-                return response
+                    await self._relay_body(engine, upstream)
+            finally:
+                upstream.close()
         except CONNECT_FAILURES as exc:
             self._engine_failed(engine, exc)
             s.dispatcher.finish(meta, engine, _failed(meta), Outcome.RETRIED)
             raise _RetryElsewhere from exc
-        except READ_FAILURES as exc:  # read timeout before the answer: the engine took the work
+        except ReadTimeout as exc:  # before the answer: the engine took the work and went silent
             s.dispatcher.finish(meta, engine, _failed(meta), Outcome.UPSTREAM_FAILED)
             raise UpstreamUnavailable(
                 f"engine did not answer: {type(exc).__name__}", code="upstream_timeout"
             ) from exc
         except asyncio.CancelledError:
             if self._take_abort(engine, _failed(meta)):
-                return self._abort_answer(engine)
+                self._answer_abort(engine)
+                return
             s.dispatcher.finish(meta, engine, _failed(meta), Outcome.CLIENT_DISCONNECT)
             raise
         except Exception:
@@ -324,71 +290,49 @@ class Forwarder:
             s.dispatcher.finish(meta, engine, _failed(meta), Outcome.UPSTREAM_FAILED)
             raise
 
-    async def _relay_body(
-        self, engine: str, upstream: aiohttp.ClientResponse
-    ) -> web.Response:
+    async def _relay_body(self, engine: str, upstream: UpstreamResponse) -> None:
         body = await upstream.read()  # CONNECT_FAILURES here: nothing sent yet, retry
         ok = upstream.status < 400
         completion = usage_from_json(body, self.parsed.meta, ok)
         self.state.dispatcher.finish(
             self.parsed.meta, engine, completion, Outcome.OK if ok else Outcome.ENGINE_ERROR
         )
-        return web.Response(
-            status=upstream.status,
-            body=body,
-            headers=_response_headers(upstream.headers, engine, self.parsed.warning),
-        )
+        self.out.respond(upstream.status, response_headers(upstream, engine.encode(), self.parsed.warning_bytes),
+                         body)
 
-    async def _relay_stream(
-        self, engine: str, upstream: aiohttp.ClientResponse
-    ) -> web.StreamResponse:
+    async def _relay_stream(self, engine: str, upstream: UpstreamResponse) -> None:
         s = self.state
         meta = self.parsed.meta
-        resp = web.StreamResponse(
-            status=upstream.status, headers=_response_headers(upstream.headers, engine, self.parsed.warning)
-        )
+        out = self.out
         tracker = SseUsageTracker()
         outcome = Outcome.OK if upstream.status < 400 else Outcome.ENGINE_ERROR
         try:
-            await resp.prepare(self.request)
+            out.start_stream(upstream.status, response_headers(upstream, engine.encode(),
+                                                               self.parsed.warning_bytes))
             while True:
                 try:
-                    chunk = await upstream.content.readany()
-                except READ_FAILURES as exc:
+                    chunk = await upstream.read_chunk()
+                except UpstreamError as exc:
                     outcome = Outcome.UPSTREAM_FAILED
                     if isinstance(exc, CONNECT_FAILURES):
                         self._engine_failed(engine, exc)
-                    await self._write_error(resp, tracker, f"engine stream broke: {type(exc).__name__}")
+                    await _end_stream(out, tracker, sse_error_event(f"engine stream broke: {type(exc).__name__}"))
                     break
                 if not chunk:
                     break
                 tracker.feed(chunk)
-                await resp.write(chunk)
+                await out.write(chunk)
             if outcome != Outcome.UPSTREAM_FAILED:
-                await resp.write_eof()
+                out.end_stream()
         except ConnectionError:  # the client went away mid-stream
             outcome = Outcome.CLIENT_DISCONNECT
         except asyncio.CancelledError:
             if self._take_abort(engine, tracker.completion(meta, ok=False)):
-                if not resp.prepared:
-                    await resp.prepare(self.request)
-                await self._write_abort_tail(resp, tracker)
-                return resp
-            s.dispatcher.finish(meta, engine, tracker.completion(meta, ok=False),
-                                Outcome.CLIENT_DISCONNECT)
+                await self._write_abort_tail(tracker)
+                return
+            s.dispatcher.finish(meta, engine, tracker.completion(meta, ok=False), Outcome.CLIENT_DISCONNECT)
             raise
         s.dispatcher.finish(meta, engine, tracker.completion(meta, ok=outcome == Outcome.OK), outcome)
-        return resp
-
-    @staticmethod
-    async def _write_error(resp: web.StreamResponse, tracker: SseUsageTracker, msg: str) -> None:
-        await _end_stream(resp, tracker, sse_error_event(msg))
-
-
-@functools.lru_cache(maxsize=8)
-def upstream_timeout(connect_s: float, read_s: float) -> aiohttp.ClientTimeout:
-    """The upstream timeouts (one object per config value, not one per request)."""
-    return aiohttp.ClientTimeout(total=None, connect=connect_s, sock_read=read_s)
 
 
 _REQUEST_ID_PREFIX = os.urandom(8).hex()
@@ -405,100 +349,32 @@ def _failed(meta: RequestMeta) -> Completion:
     return Completion(prompt_tokens=meta.prompt_tokens, completion_tokens=0, ok=False)
 
 
-# ---- handlers -------------------------------------------------------------
-
-
-async def _generation(request: web.Request, kind: EndpointKind, path: str) -> web.StreamResponse:
-    s = request.app[STATE]
-    arrived = s.clock()
-    if s.dispatcher.draining:
-        raise ShuttingDown("router is shutting down")
-    raw = await read_body(request, s.config.max_body_bytes)
-    parsed = parse_request(
-        raw,
-        request.headers,
-        kind,
-        mix=s.config.workloads,
-        prefix=s.config.policy.prefix,
-        request_id=new_request_id(),
-    )
-    if parsed.warning is not None and parsed.meta.workload_class not in _warned_classes:
-        _warned_classes.add(parsed.meta.workload_class)  # once per class and process: not per request
-        log.warning("%s (further such requests are answered with %s only)", parsed.warning, WARNING_HEADER)
-    return await Forwarder(s, request, parsed, path, arrived).run()
-
+# ---- the handler --------------------------------------------------------------
 
 _warned_classes: set[str] = set()
 
 
-async def handle_completions(request: web.Request) -> web.StreamResponse:
-    return await _generation(request, EndpointKind.COMPLETIONS, COMPLETIONS_PATH)
-
-
-async def handle_chat(request: web.Request) -> web.StreamResponse:
-    return await _generation(request, EndpointKind.CHAT, CHAT_PATH)
-
-
-_pass_cursor = itertools.count()
-
-
-async def _pass_through(request: web.Request, path: str) -> web.Response:
-    """Send to healthy engines in turn until one answers; no admission, no accounting."""
-    s = request.app[STATE]
-    body = await read_body(request, s.config.max_body_bytes) if request.can_read_body else None
-    healthy = [e for e, snap in sorted(s.registry.snapshots().items()) if snap.healthy]
-    if not healthy:
-        raise UpstreamUnavailable("no healthy engine", code="no_healthy_engine")
-    start = next(_pass_cursor)
-    timeout = aiohttp.ClientTimeout(
-        total=None,
-        connect=s.config.upstream_connect_timeout_s,
-        sock_read=s.config.upstream_timeout_s,
-    )
-    tries = min(len(healthy), s.config.max_placement_attempts)
-    for i in range(tries):
-        engine = healthy[(start + i) % len(healthy)]
+async def generation(s: RouterState, req: IncomingRequest, out: Responder, kind: EndpointKind) -> None:
+    """Answer one generation request; domain errors become their OpenAI-style answers here."""
+    arrived = s.clock()
+    try:
+        if s.dispatcher.draining:
+            raise ShuttingDown("router is shutting down")
         try:
-            async with s.session().request(
-                request.method, engine + path, data=body,
-                headers=_forward_headers(request.headers), timeout=timeout,
-            ) as upstream:
-                payload = await upstream.read()
-                return web.Response(
-                    status=upstream.status, body=payload,
-                    headers=_response_headers(upstream.headers, engine),
-                )
-        except CONNECT_FAILURES as exc:
-            s.metrics.engine_failures.labels(engine).inc()
-            s.registry.mark_failed(engine, f"{type(exc).__name__}: {exc}")
-        except READ_FAILURES as exc:  # the engine took the call and went silent
-            raise UpstreamUnavailable(
-                f"engine did not answer {path}: {type(exc).__name__}", code="upstream_timeout"
-            ) from exc
-    raise UpstreamUnavailable(f"no engine answered {path}", code="upstream_unavailable")
-
-
-async def handle_models(request: web.Request) -> web.Response:
-    return await _pass_through(request, "/v1/models")
-
-
-async def handle_tokenize(request: web.Request) -> web.Response:
-    return await _pass_through(request, "/tokenize")
-
-
-async def handle_session_end(request: web.Request) -> web.Response:
-    session_id = request.match_info["session_id"]
-    s = request.app[STATE]
-    if not s.dispatcher.end_session(session_id):
-        raise NotFound(f"no live session {session_id!r}", param="session_id", code="unknown_session")
-    return web.json_response({"id": session_id, "ended": True})
-
-
-def add_routes(app: web.Application) -> None:
-    app.router.add_post("/v1/completions", handle_completions)
-    app.router.add_post("/v1/chat/completions", handle_chat)
-    app.router.add_get("/v1/models", handle_models)
-    app.router.add_post("/tokenize", handle_tokenize)
-    app.router.add_post("/v1/sessions/{session_id}/end", handle_session_end)
-
-
+            parsed = parse_request(
+                req.body, req.mapping, kind,
+                mix=s.config.workloads, prefix=s.config.policy.prefix, request_id=new_request_id(),
+            )
+        except InvalidRequest:
+            s.metrics.invalid.inc()
+            raise
+        if parsed.warning is not None and parsed.meta.workload_class not in _warned_classes:
+            _warned_classes.add(parsed.meta.workload_class)  # once per class and process: not per request
+            log.warning("%s (further such requests are answered with %s only)", parsed.warning,
+                        WARNING_HEADER.decode())
+        await Forwarder(s, req, out, parsed, req.path, arrived).run()
+    except RouterError as exc:
+        if out.started:
+            raise
+        status, headers, body = error_answer(exc)
+        out.respond(status, headers, body)

@@ -69,6 +69,11 @@ class ParsedRequest:
     warning: str | None = None
     """Said back to the client (``X-Misat-Warning``): accepted, but probably not what was meant."""
 
+    @property
+    def warning_bytes(self) -> bytes | None:
+        """``warning`` as a header value."""
+        return None if self.warning is None else self.warning.encode()
+
 
 def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)

@@ -21,11 +21,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from aiohttp import web
-
 from .app import create_app
 from .config import ConfigError, RouterConfig, load_config
 from .memory import DEFAULT_MMAP_THRESHOLD_BYTES, pin_mmap_threshold
+from .service import RouterService
 from .sharding import index_from_hostname
 from .state import shard_problem
 
@@ -40,16 +39,6 @@ LISTEN_BACKLOG = 2048
 """Pending connections the listening socket queues (uvicorn's default, so vLLM's API server's
 too; the kernel caps it at ``net.core.somaxconn``). aiohttp's own 128 overflowed when 1,000
 rollout workers connected at once in the soak: dropped SYNs, resets, seconds-long connects."""
-SHUTDOWN_GRACE_S = 5.0
-"""Extra seconds aiohttp waits for handlers after the app's own drain (``drain_timeout_s``)."""
-SERVER_OPTIONS: dict[str, object] = {
-    "handler_cancellation": True,  # a client that goes away cancels its handler
-    # Bodies are validated and forwarded as sent: never inflated (a Content-Encoding body is
-    # not JSON to the router, as to vLLM), so no decompression bomb and no mislabelled relay.
-    "auto_decompress": False,
-    "access_log": None,
-}
-"""``AppRunner`` options of the served router (aiohttp's header limits stay: 8190-byte lines, 128 headers)."""
 
 
 class JsonFormatter(logging.Formatter):
@@ -144,23 +133,19 @@ async def serve(
 ) -> None:
     """Serve until a stop signal; raises ``OSError`` when the port cannot be bound."""
     app = create_app(config, admin_token=admin_token, config_path=config_path, shard_index=shard_index)
-    runner = web.AppRunner(
-        app, shutdown_timeout=config.drain_timeout_s + SHUTDOWN_GRACE_S, **SERVER_OPTIONS  # type: ignore[arg-type]
-    )
-    await runner.setup()
+    service = RouterService(app)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, stop.set)
+    await service.start(host, port, backlog=backlog)
     try:
-        site = web.TCPSite(runner, host, port, backlog=backlog)
-        await site.start()
-        log.info("router listening on %s:%d (generation %d)", host, port, config.generation)
+        log.info("router listening on %s:%d (generation %d)", host, service.port, config.generation)
         await stop.wait()
         log.info("stopping: draining in-flight requests")
     finally:
-        await runner.cleanup()
+        await service.stop()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -30,6 +30,7 @@ from .policy.runner import PolicyRunner
 from .reload import ReloadResult, changed_fields, check_reload
 from .sharding import PeerLiveness, owned_engines
 from .status import RouterStatus, SampleRateMeter, ShardStatus, build_status
+from .upstream import UpstreamPool
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +84,9 @@ class RouterState:
         self.engines_changed = asyncio.Event()
         """Set by a reload that changed ``engines``: the resolver re-reads the config at once."""
         self.upstream: aiohttp.ClientSession | None = None
+        """The control plane's calls to engines (admin fan-out, pass-through); not generation."""
+        self.upstream_pool: UpstreamPool | None = None
+        """The data plane's pooled connections to the engines (``upstream.py``)."""
         self.probe_session: aiohttp.ClientSession | None = None
         self.pause_mode: str | None = None
         """``wait`` or ``abort`` while paused (``/admin/pause?mode=``)."""
@@ -91,6 +95,8 @@ class RouterState:
         self.weight_versions: dict[str, str | None] = {}
         """Weight version per engine as last recorded (``/admin/resume``, ``/admin/engines/call``)."""
         self._changed = asyncio.Event()
+        self._observers = 0
+        """Callers inside ``wait_until``."""
         self.shard_index = shard_index if config.shards is not None else None
         """This router's shard index (``config.shards``); None when it is the only router."""
         self.peers: PeerLiveness | None = None
@@ -102,9 +108,12 @@ class RouterState:
             self.registry.set_engines(urls)
 
     def touch(self) -> None:
-        """Wake everything in ``wait_until``: some observable state changed."""
-        changed, self._changed = self._changed, asyncio.Event()
-        changed.set()
+        """Wake everything in ``wait_until``: some observable state changed.
+
+        Called twice per request (placed, finished): without a waiter it costs a compare."""
+        if self._observers:
+            changed, self._changed = self._changed, asyncio.Event()
+            changed.set()
 
     async def wait_until(self, predicate: Callable[[], bool], timeout_s: float) -> None:
         """Wait, bounded, until ``predicate()`` holds; re-checked after every ``touch()``.
@@ -112,9 +121,13 @@ class RouterState:
         For callers that must observe a state change (tests, the admin API)
         without polling; raises ``TimeoutError`` past ``timeout_s``.
         """
-        async with asyncio.timeout(timeout_s):
-            while not predicate():
-                await self._changed.wait()
+        self._observers += 1
+        try:
+            async with asyncio.timeout(timeout_s):
+                while not predicate():
+                    await self._changed.wait()
+        finally:
+            self._observers -= 1
 
     # ---- transitions: configuration ----------------------------------------
 
@@ -153,6 +166,9 @@ class RouterState:
         self.config = new
         self.config_hash = new_hash
         self.last_reload_error = None
+        if self.upstream_pool is not None:  # per-request timeouts follow the config; pool sizes are start-up only
+            self.upstream_pool.connect_timeout_s = new.upstream_connect_timeout_s
+            self.upstream_pool.read_timeout_s = new.upstream_timeout_s
         if old.shards != new.shards and new.shards is not None and self.peers is not None:
             self.peers.resize(len(new.shards.peers))
             self.registry.refilter()
@@ -304,6 +320,11 @@ class RouterState:
         if self.upstream is None:
             raise ShuttingDown("router is not running")
         return self.upstream
+
+    def engine_pool(self) -> UpstreamPool:
+        if self.upstream_pool is None:
+            raise ShuttingDown("router is not running")
+        return self.upstream_pool
 
     def status(self) -> RouterStatus:
         now = self.clock()

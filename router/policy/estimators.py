@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections import deque
 
@@ -18,32 +19,38 @@ def percentile(sorted_values: list[float], pct: float) -> float:
 
 
 class WindowPercentile:
-    """A percentile of the last ``window`` samples; recomputed only after new samples.
+    """A percentile of the last ``window`` samples, kept sorted as samples come and go.
 
-    Samples arrive on session completion (rare next to decisions), and the
-    value is read on every decision, so the sort happens lazily on read.
+    The value is read on every decision and samples arrive on every session end,
+    which for single-turn classes (every GRPO sample) is as often as decisions: so
+    the window is kept as a sorted list beside its arrival order (``bisect``: a
+    C-level search and move per sample) rather than sorted on read.
     """
 
-    __slots__ = ("_cached", "_dirty", "_samples", "min_samples", "pct")
+    __slots__ = ("_samples", "_sorted", "min_samples", "pct")
 
     def __init__(self, window: int, pct: float, min_samples: int) -> None:
         self._samples: deque[float] = deque(maxlen=window)
+        self._sorted: list[float] = []
         self.pct = pct
         self.min_samples = min_samples
-        self._cached: float | None = None
-        self._dirty = False
 
     def reconfigure(self, window: int, pct: float, min_samples: int) -> None:
         """New window, percentile or sample floor; the newest samples are kept."""
         if window != self._samples.maxlen:
             self._samples = deque(self._samples, maxlen=window)
+            self._sorted = sorted(self._samples)
         self.pct = pct
         self.min_samples = min_samples
-        self._dirty = True
 
     def add(self, value: float) -> None:
-        self._samples.append(float(value))
-        self._dirty = True
+        value = float(value)
+        samples = self._samples
+        if len(samples) == samples.maxlen:
+            oldest = samples[0]
+            del self._sorted[bisect.bisect_left(self._sorted, oldest)]
+        samples.append(value)
+        bisect.insort(self._sorted, value)
 
     @property
     def count(self) -> int:
@@ -55,12 +62,9 @@ class WindowPercentile:
 
     def value(self) -> float | None:
         """The percentile, or ``None`` until ``min_samples`` samples arrived."""
-        if not self.ready:
+        if len(self._samples) < self.min_samples:
             return None
-        if self._dirty or self._cached is None:
-            self._cached = percentile(sorted(self._samples), self.pct)
-            self._dirty = False
-        return self._cached
+        return percentile(self._sorted, self.pct)
 
     def samples(self) -> list[float]:
         """The remembered samples, oldest first."""

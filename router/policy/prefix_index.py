@@ -11,21 +11,24 @@ separate key space; a character match is converted to tokens with
 ``chars_per_token``. No tokeniser and no round trip to an engine is needed.
 
 Layout, chosen for the decision path: one dict maps a key to a bitmask of the
-engines that hold it, so matching a prompt against every engine walks the
-prompt's keys once, stopping when no engine still matches, instead of once
-per engine. Each engine keeps its keys in LRU order for trimming; inserting a
-prompt moves the keys the engine already holds to the recent end and touches
-the bitmask dict only for keys new to the engine. A prompt's keys are computed
-once (``PromptKeys``) for the decision and the insert after it, and a
-session's next prompt can take the keys of the blocks it shares with the last
-one (``PromptKeys.continue_from``) instead of hashing them again.
+engines that hold it, so matching a prompt against every engine is one walk
+over the prompt's keys, not one per engine, and that walk runs in C (a running
+AND of the owner masks, cut at the first key no engine holds). Each engine
+keeps its keys in LRU order for trimming; inserting a prompt moves the keys
+the engine already holds to the recent end (in C too) and touches the bitmask
+dict only for keys new to the engine. Python steps per block are what made
+the index the router's largest cost per request (docs/scale.md). A prompt's
+keys are computed once (``PromptKeys``) for the decision and the insert after
+it, and a session's next prompt can take the keys of the blocks it shares with
+the last one (``PromptKeys.continue_from``) instead of hashing them again.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping
-from itertools import islice
+from itertools import accumulate, compress, islice, repeat, takewhile
 
 from .radix_tree import common_prefix
 from .settings import PrefixIndexSettings
@@ -42,15 +45,14 @@ _KEY_MASK = (1 << 64) - 1
 
 
 _BATCH = 32
-"""Keys computed per extension of a lazy chain while matching (amortises the loop set-up)."""
+"""Keys computed per extension of a lazy chain by its iterator (amortises the loop set-up)."""
 
 
 class PromptKeys:
     """The chained keys of one prompt, computed lazily, and how many tokens each stands for.
 
-    Matching usually stops at the first block no engine holds, so a decision
-    hashes only the matched part of a long prompt; the rest is hashed when
-    (and if) the prompt is inserted after placement. Key ``i`` depends on
+    Computed when first asked for (a continuation placed on its session's engine
+    needs them only for the insert after it). Key ``i`` depends on
     every block before it (``parent * M ^ hash(block)``), so equal blocks under
     different prefixes get different keys, as vLLM's chained block hashes do.
 
@@ -198,7 +200,7 @@ class PrefixIndex:
         self._owners: dict[int, int] = {}
         self._bit: dict[str, int] = {}
         self._engine_of_bit: dict[int, str] = {}
-        self._lru: dict[str, OrderedDict[int, None]] = {}
+        self._lru: dict[str, OrderedDict[int, bool]] = {}
         self._limit: dict[str, int] = {}
 
     def _bit_for(self, engine_id: str) -> int:
@@ -218,57 +220,63 @@ class PrefixIndex:
             self._trim(engine_id)
 
     def match(self, keys: PromptKeys, engine_ids: Iterable[str]) -> dict[str, float]:
-        """Expected prefix-hit tokens per engine (0 for engines that match nothing)."""
+        """Expected prefix-hit tokens per engine (0 for engines that match nothing).
+
+        One walk for all engines, in C: the running AND of the prompt's keys' owner masks
+        (``accumulate``), cut at the first key no engine holds (``takewhile``). An engine's
+        match length is where its bit leaves the running mask, found by bisection (the
+        running masks only ever lose bits).
+        """
         result = dict.fromkeys(engine_ids, 0.0)
-        total = len(keys)
-        if not total:
+        if not len(keys):
             return result
+        bits = self._bit
         alive = 0
         for e in result:
-            bit = self._bit.get(e)
+            bit = bits.get(e)
             if bit is not None:
                 alive |= 1 << bit
-        get = self._owners.get
-        computed = keys._keys  # grows in place as the chain is extended
-        depth = 0
-        while depth < total:
-            if depth == len(computed):
-                keys._extend(depth + _BATCH)
-            held = get(computed[depth], 0) & alive
-            if held != alive:
-                self._credit(result, alive & ~held, depth * keys.tokens_per_key)
-                alive = held
-                if not alive:
-                    break
-            depth += 1
-        if alive:
-            self._credit(result, alive, depth * keys.tokens_per_key)
+        if not alive:
+            return result
+        running = list(takewhile(bool, accumulate(map(self._owners.get, keys._all(), repeat(0)), int.__and__,
+                                                  initial=alive)))
+        last = len(running) - 1  # running[d]: the engines holding the prompt's first d keys
+        if not last:
+            return result
+        tokens_per_key = keys.tokens_per_key
+        end = running[last]
+        for e in result:
+            bit = bits.get(e)
+            if bit is None:
+                continue
+            flag = 1 << bit
+            if end & flag:
+                depth = last
+            elif running[1] & flag:
+                depth = bisect_left(running, True, 2, last, key=lambda mask: not mask & flag) - 1
+            else:
+                continue
+            result[e] = depth * tokens_per_key
         return result
 
-    def _credit(self, result: dict[str, float], mask: int, tokens: float) -> None:
-        if tokens <= 0:
-            return
-        while mask:
-            low = mask & -mask
-            result[self._engine_of_bit[low.bit_length() - 1]] = tokens
-            mask ^= low
-
     def insert(self, keys: PromptKeys, engine_id: str) -> None:
-        """Record that ``engine_id`` was sent this prompt (its blocks become most recent)."""
+        """Record that ``engine_id`` was sent this prompt (its blocks become most recent).
+
+        In C, as ``move_to_end`` key by key would leave it: the prompt's keys are taken out of
+        the engine's LRU order and appended in prompt order; only keys new to the engine touch
+        ``owners`` (a key in the engine's LRU already has the engine's bit there).
+        """
         if not len(keys):
             return
         flag = 1 << self._bit_for(engine_id)
         lru = self._lru[engine_id]
-        move = lru.move_to_end
+        seq = keys._all()
+        new = list(map(lru.pop, seq, repeat(True)))  # True where the engine did not hold the key
+        lru.update(zip(seq, repeat(False)))
         owners = self._owners
-        for key in keys._all():
-            # A key in the engine's LRU already has the engine's bit in ``owners`` (the two
-            # change together), so only a new key touches ``owners``.
-            if key in lru:
-                move(key)
-            else:
-                lru[key] = None
-                owners[key] = owners.get(key, 0) | flag
+        get = owners.get
+        for key in compress(seq, new):
+            owners[key] = get(key, 0) | flag
         self._trim(engine_id)
 
     def _trim(self, engine_id: str) -> None:

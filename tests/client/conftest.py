@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from aiohttp.test_utils import TestServer
 
 from misat_router.app import create_app
+from misat_router.service import RouterService, start_service
 from misat_router.state import STATE, RouterState
 from misat_sim.config import SimEngineConfig
 from misat_sim.server import RunningServer, start_server
@@ -32,7 +32,7 @@ SIM_TIME_SCALE = 2000.0
 
 @dataclass
 class Pool:
-    server: TestServer
+    server: RouterService
     engine_urls: list[str]
     fakes: list[FakeEngine]
     sims: list[RunningServer]
@@ -40,7 +40,7 @@ class Pool:
 
     @property
     def url(self) -> str:
-        return str(self.server.make_url("")).rstrip("/")
+        return self.server.url
 
     @property
     def state(self) -> RouterState:
@@ -53,10 +53,9 @@ class Pool:
         return self.state.runner.active_sessions().get(workload_class, 0)
 
 
-async def _start_router(urls: list[str], model: str, **overrides: Any) -> TestServer:
+async def _start_router(urls: list[str], model: str, **overrides: Any) -> RouterService:
     cfg = router_config(urls, model=model, **overrides)
-    server = TestServer(create_app(cfg, admin_token=TOKEN), host="127.0.0.1")
-    await server.start_server()
+    server = await start_service(create_app(cfg, admin_token=TOKEN))
     state: RouterState = server.app[STATE]
     await state.wait_until(lambda: state.registry.healthy_count() == len(urls), WAIT_S)
     return server
@@ -81,7 +80,7 @@ async def fake_pool() -> AsyncIterator[PoolFactory]:
 
     yield make
     for p in started:
-        await p.server.close()
+        await p.server.stop()
         for f in p.fakes:
             await f.close()
 
@@ -104,6 +103,6 @@ async def sim_pool() -> AsyncIterator[PoolFactory]:
 
     yield make
     for p in started:
-        await p.server.close()
+        await p.server.stop()
         for s in p.sims:
             await s.stop()

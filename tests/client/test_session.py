@@ -56,7 +56,7 @@ async def test_an_unreachable_router_at_exit_is_noted_on_the_blocks_error(fake_p
     with pytest.raises(KeyError) as err:
         async with AsyncRolloutSession(pool.url, "agentic") as s:
             await s.completions(model=pool.model, prompt=[1], max_tokens=1)
-            await pool.server.close()
+            await pool.server.stop()
             raise KeyError("boom")
     assert any("ending session" in note for note in err.value.__notes__)
 

@@ -40,6 +40,7 @@ from misat_bench.fidelity import M_PREEMPTIONS, M_PREFIX_HITS, M_PREFIX_QUERIES,
 from misat_bench.real_vllm import CPU_BLOCK_SIZE, RunningServer
 from misat_router.app import create_app
 from misat_router.config import RouterConfig
+from misat_router.service import start_service
 from misat_router.state import STATE
 from misat_sim.trainer import Trainer, TrainerConfig
 from misat_sim.workload import AgenticShape, RolloutClass, Workload, WorkloadSpec
@@ -215,14 +216,10 @@ async def running_router(config: RouterConfig) -> AsyncIterator[Router]:
     Ready means: both engines healthy and scraped (MISA-T needs their KV capacity).
     """
     app = create_app(config, admin_token=ADMIN_TOKEN)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=10.0)
-    await runner.setup()
+    service = await start_service(app)
     http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30))
     try:
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        host, port = runner.addresses[0][:2]
-        router = Router(url=f"http://{host}:{port}", app=app, http=http)
+        router = Router(url=service.url, app=app, http=http)
         n = len(config.engines.urls or ())
 
         async def ready() -> bool:
@@ -233,7 +230,7 @@ async def running_router(config: RouterConfig) -> AsyncIterator[Router]:
         yield router
     finally:
         await http.close()
-        await runner.cleanup()
+        await service.stop()
 
 
 async def _status_brief(router: Router) -> str:

@@ -27,6 +27,7 @@ from kmock._internal.dicts import merge_patch_dict
 from misat_operator.render import PoolRef
 from misat_router import lifecycle as router_lifecycle
 from misat_router.app import create_app
+from misat_router.service import start_service
 from misat_router.state import STATE, RouterState
 from misat_sim.config import SimEngineConfig
 from misat_sim.server import start_server
@@ -239,14 +240,10 @@ async def live_router(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[LiveRout
         classes=[{"name": "rlvr", "share": 100.0}], scrape_interval_s=0.1, health_interval_s=0.1,
     )
     app = create_app(config, admin_token="not-mounted-yet")
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    service = await start_service(app)
     try:
-        yield LiveRouter(f"http://127.0.0.1:{port}", app, dns, [e.base_url for e in engines])
+        yield LiveRouter(service.url, app, dns, [e.base_url for e in engines])
     finally:
-        await runner.cleanup()
+        await service.stop()
         for e in engines:
             await e.stop()

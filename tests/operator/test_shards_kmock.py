@@ -20,12 +20,12 @@ import aiohttp
 import kopf
 import pytest
 import pytest_asyncio
-from aiohttp import web
 
 from misat_router import lifecycle as router_lifecycle
 from misat_router import shard_peers
 from misat_router.app import create_app
-from misat_router.state import STATE, RouterState
+from misat_router.service import RouterService, start_service
+from misat_router.state import RouterState
 from tests.support.fake_engine import FakeEngine
 from tests.support.kopf_run import NS, api_call, condition, emulated, running_operator
 from tests.support.processes import free_port
@@ -47,13 +47,13 @@ class Shards:
     def __init__(self, port: int, engines: list[FakeEngine]) -> None:
         self.port = port
         self.engines = engines
-        self.runners: dict[int, web.AppRunner] = {}
+        self.routers: dict[int, RouterService] = {}
 
     def url(self, i: int) -> str:
         return f"http://{shard_ip(i)}:{self.port}"
 
     def state(self, i: int) -> RouterState:
-        return self.runners[i].app[STATE]  # type: ignore[union-attr]
+        return self.routers[i].state
 
 
 @pytest_asyncio.fixture
@@ -82,14 +82,12 @@ async def shards(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Shards]:
                            shards={"peers": [s.url(i) for i in range(N_SHARDS)]})
     try:
         for i in RUNNING:
-            runner = web.AppRunner(create_app(config, admin_token="not-mounted-yet", shard_index=i), access_log=None)
-            await runner.setup()
-            await web.TCPSite(runner, shard_ip(i), s.port).start()
-            s.runners[i] = runner
+            s.routers[i] = await start_service(create_app(config, admin_token="not-mounted-yet", shard_index=i),
+                                               shard_ip(i), s.port)
         yield s
     finally:
-        for runner in s.runners.values():
-            await runner.cleanup()
+        for router in s.routers.values():
+            await router.stop()
         for e in engines:
             await e.close()
 

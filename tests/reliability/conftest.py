@@ -23,11 +23,11 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
-from aiohttp.test_utils import TestServer
 from prometheus_client.parser import text_string_to_metric_families
 
 from misat_router.app import create_app
 from misat_router.config import RouterConfig
+from misat_router.service import RouterService, start_service
 from misat_router.state import STATE, RouterState
 from misat_sim.config import SimEngineConfig
 from misat_sim.server import create_app as create_sim_app
@@ -135,16 +135,16 @@ async def misbehaving() -> AsyncIterator[Callable[..., Any]]:
 class RouterUnderTest:
     """The real router app on a loopback port."""
 
-    def __init__(self, server: TestServer) -> None:
+    def __init__(self, server: RouterService) -> None:
         self.server = server
 
     @property
     def state(self) -> RouterState:
-        return self.server.app[STATE]  # type: ignore[index]
+        return self.server.app[STATE]
 
     @property
     def url(self) -> str:
-        return str(self.server.make_url("")).rstrip("/")
+        return self.server.url
 
     async def wait(self, predicate: Callable[[], bool], timeout_s: float = WAIT_S) -> None:
         await self.state.wait_until(predicate, timeout_s)
@@ -153,15 +153,14 @@ class RouterUnderTest:
         await self.wait(lambda: self.state.registry.healthy_count() == n)
 
     async def close(self) -> None:
-        await self.server.close()
+        await self.server.stop()
 
 
 async def start_router(
     config: RouterConfig, *, admin_token: str | None = None, config_path: Any = None, healthy: int | None = None
 ) -> RouterUnderTest:
     app = create_app(config, admin_token=admin_token, config_path=config_path)
-    server = TestServer(app, host="127.0.0.1")
-    await server.start_server()
+    server = await start_service(app)
     r = RouterUnderTest(server)
     n = len(config.engines.urls or ()) if healthy is None else healthy
     if n:

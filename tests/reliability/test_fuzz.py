@@ -40,7 +40,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from misat_router.app import create_app
-from misat_router.server import SERVER_OPTIONS
+from misat_router.service import RouterService, start_service
 from misat_router.state import STATE
 from tests.support.fake_engine import FakeEngine
 
@@ -75,7 +75,7 @@ class Target:
     app: web.Application | None = None
     http: aiohttp.ClientSession | None = None
     engine: FakeEngine | None = None
-    runners: list[web.AppRunner] = field(default_factory=list)
+    routers: list[RouterService] = field(default_factory=list)
     sent: Counter[str] = field(default_factory=Counter)
     statuses: Counter[int] = field(default_factory=Counter)
 
@@ -93,13 +93,10 @@ class Target:
                              "admission": {"epoch_s": 0.05, "session_idle_timeout_s": 0.5}},
         )
         self.app = create_app(cfg, admin_token=TOKEN)
-        router = web.AppRunner(self.app, **SERVER_OPTIONS)  # type: ignore[arg-type]  # as `misat router` serves
-        await router.setup()
-        rsite = web.TCPSite(router, "127.0.0.1", 0)
-        await rsite.start()
-        self.port = rsite._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.runners = [router]
+        router = await start_service(self.app)  # as `misat router` serves
+        self.port = router.port
+        self.url = router.url
+        self.routers = [router]
         self.http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=32))
         state = self.app[STATE]
         await state.wait_until(lambda: state.registry.healthy_count() == 1, 10.0)
@@ -107,8 +104,8 @@ class Target:
     async def stop(self) -> None:
         assert self.http is not None
         await self.http.close()
-        for r in self.runners:
-            await r.cleanup()
+        for r in self.routers:
+            await r.stop()
         if self.engine is not None:
             await self.engine.close()
 

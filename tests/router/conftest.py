@@ -13,9 +13,9 @@ from typing import Any
 
 import aiohttp
 import pytest
-from aiohttp.test_utils import TestServer
 
 from misat_router.app import create_app
+from misat_router.service import RouterService, start_service
 from misat_router.state import STATE, RouterState
 from misat_sim.config import SimEngineConfig
 from misat_sim.server import RunningServer, start_server
@@ -41,17 +41,17 @@ async def open_parked_stream(
 class RouterHarness:
     """A running router app in front of fake engines."""
 
-    def __init__(self, server: TestServer, engines: list[FakeEngine]) -> None:
+    def __init__(self, server: RouterService, engines: list[FakeEngine]) -> None:
         self.server = server
         self.engines = engines
 
     @property
     def state(self) -> RouterState:
-        return self.server.app[STATE]  # type: ignore[index]
+        return self.server.app[STATE]
 
     @property
     def url(self) -> str:
-        return str(self.server.make_url("")).rstrip("/")
+        return self.server.url
 
     async def wait(self, predicate: Callable[[], bool]) -> None:
         await self.state.wait_until(predicate, WAIT_S)
@@ -80,8 +80,7 @@ async def start_router(
     urls = [e.url if isinstance(e, FakeEngine) else e for e in engines]
     cfg = router_config(urls, **overrides)
     app = create_app(cfg, admin_token=admin_token, config_path=config_path)
-    server = TestServer(app, host="127.0.0.1")
-    await server.start_server()
+    server = await start_service(app)
     h = RouterHarness(server, fakes)
     if urls:
         await h.wait_healthy(len(urls))
@@ -99,7 +98,7 @@ async def make_router() -> AsyncIterator[Callable[..., Any]]:
 
     yield make
     for h in started:
-        await h.server.close()
+        await h.server.stop()
 
 
 @pytest.fixture

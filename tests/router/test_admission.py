@@ -208,7 +208,7 @@ async def test_shutdown_drains_in_flight_and_refuses_held(
         await eng.wait_arrivals(1)
         second = asyncio.create_task(post(http, h.url, [1]))
         await h.wait(lambda: h.state.runner.held_count() == 1)
-        closing = asyncio.create_task(h.server.close())
+        closing = asyncio.create_task(h.server.stop())
         await h.wait(lambda: h.state.dispatcher.draining)
         status, body, _ = await second
         assert status == 503 and b"shutting down" in body

@@ -10,7 +10,6 @@ from collections.abc import AsyncIterator
 import aiohttp
 import openai
 import pytest
-from aiohttp.test_utils import TestServer
 
 from misat_router.app import create_app
 from misat_router.policy.misa import MisaPolicy
@@ -27,6 +26,7 @@ from misat_router.policy.settings import (
 )
 from misat_router.policy.types import Completion, EngineSnapshot, RequestMeta
 from misat_router.request_meta import EndpointKind, parse_request
+from misat_router.service import start_service
 from misat_router.state import STATE, RouterState
 from misat_sim.server import RunningServer
 from tests.support.router_config import MODEL, router_config
@@ -116,12 +116,11 @@ async def sim_engines(make_sims) -> list[RunningServer]:  # type: ignore[no-unty
 @pytest.fixture
 async def sim_router(sim_engines: list[RunningServer]) -> AsyncIterator[tuple[RouterState, str]]:
     cfg = router_config([s.base_url for s in sim_engines], policy="misa-t")
-    server = TestServer(create_app(cfg, admin_token="t"), host="127.0.0.1")
-    await server.start_server()
+    server = await start_service(create_app(cfg, admin_token="t"))
     state = server.app[STATE]
     await state.wait_until(lambda: state.registry.healthy_count() == 2, WAIT_S)
-    yield state, str(server.make_url("")).rstrip("/")
-    await server.close()
+    yield state, server.url
+    await server.stop()
 
 
 @pytest.fixture

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from aiohttp.test_utils import TestServer
 
 from misat_router import server
 from misat_router.app import create_app
 from misat_router.config import ConfigError, RouterConfig
 from misat_router.errors import ConfigRejected
+from misat_router.service import start_service
 from misat_router.sharding import (
     SHARD_HEADER,
     PeerLiveness,
@@ -126,8 +126,7 @@ async def test_a_shard_admits_only_on_its_engines_and_takes_over_a_dead_peers(
     # The peer is anything answering /health (an engine's), probed once at start and then not
     # again within the test, which drives liveness through peer_checked.
     config = shard_config(urls, [engines[4].url, "http://127.0.0.1:9101"], peer_probe_interval_s=3600.0)
-    server = TestServer(create_app(config, admin_token="t", shard_index=1), host="127.0.0.1")
-    await server.start_server()
+    server = await start_service(create_app(config, admin_token="t", shard_index=1))
     state: RouterState = server.app[STATE]
     try:
         mine = [urls[1], urls[3]]
@@ -135,13 +134,13 @@ async def test_a_shard_admits_only_on_its_engines_and_takes_over_a_dead_peers(
         await state.wait_until(lambda: state.registry.healthy_count() == 2, WAIT_S)
         async with aiohttp.ClientSession() as http:
             for _ in range(4):
-                async with http.post(str(server.make_url('/v1/completions')),
+                async with http.post(server.url + '/v1/completions',
                                      json={"model": MODEL, "prompt": [1], "max_tokens": 2},
                                      headers={"X-Rollout-Class": "rlvr"}) as resp:
                     assert resp.status == 200
                     assert resp.headers[SHARD_HEADER] == "1"
                     assert resp.headers["X-Misat-Engine"] in mine
-            async with http.get(str(server.make_url('/status'))) as resp:
+            async with http.get(server.url + '/status') as resp:
                 shard = (await resp.json())["shard"]
         assert shard == {"index": 1, "count": 2, "live": [0, 1], "owned_engines": mine, "known_engines": 4}
         assert engines[0].generations == engines[2].generations == 0
@@ -153,7 +152,7 @@ async def test_a_shard_admits_only_on_its_engines_and_takes_over_a_dead_peers(
         state.peer_checked(0, True)  # peer_up_after_successes (1): its engines go back
         assert state.registry.ids() == mine
     finally:
-        await server.close()
+        await server.stop()
 
 
 async def test_shard_settings_are_checked_at_start_and_on_reload(engines: list[FakeEngine]) -> None:
