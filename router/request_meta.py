@@ -47,6 +47,8 @@ HEADER_CLASS = "X-Rollout-Class"
 HEADER_SESSION_ID = "X-Session-Id"
 HEADER_TURN = "X-Session-Turn"
 HEADER_END = "X-Session-End"
+_LOWER_CLASS, _LOWER_SESSION_ID, _LOWER_TURN, _LOWER_END = (
+    h.lower() for h in (HEADER_CLASS, HEADER_SESSION_ID, HEADER_TURN, HEADER_END))
 BODY_ROLLOUT_FIELD = "rollout"
 ROLLOUT_KEYS = ("class", "session_id", "turn", "end")
 
@@ -259,30 +261,31 @@ def parse_request(
 ) -> ParsedRequest:
     """Validate ``raw`` and the rollout headers; raise ``InvalidRequest`` on any problem.
 
-    ``headers`` must look up case-insensitively (aiohttp's ``request.headers`` does).
+    ``headers`` is looked up by lower-case names (a dict of lower-cased names, or a
+    case-insensitive mapping such as aiohttp's ``request.headers``).
     """
     obj = decode_json_object(raw)
     stream = _check_common(obj)
     rollout = _rollout_fields(obj)
 
-    cls_header = headers.get(HEADER_CLASS)
+    cls_header = headers.get(_LOWER_CLASS)
     cls = _workload_class(_merge(cls_header, rollout.get("class"), "rollout.class"), mix)
 
     sid_body = rollout.get("session_id")
     if sid_body is not None and not isinstance(sid_body, str):
         raise InvalidRequest("rollout.session_id must be a string", param="rollout.session_id")
-    session_id = _merge(headers.get(HEADER_SESSION_ID), sid_body, "rollout.session_id")
+    session_id = _merge(headers.get(_LOWER_SESSION_ID), sid_body, "rollout.session_id")
     if session_id == "":
         raise InvalidRequest("session id must not be empty", param="rollout.session_id")
 
-    turn_h = headers.get(HEADER_TURN)
+    turn_h = headers.get(_LOWER_TURN)
     turn_b = rollout.get("turn")
     turn = _merge(
         None if turn_h is None else _parse_turn(turn_h, HEADER_TURN),
         None if turn_b is None else _parse_turn(turn_b, "rollout.turn"),
         "rollout.turn",
     )
-    end_h = headers.get(HEADER_END)
+    end_h = headers.get(_LOWER_END)
     end_b = rollout.get("end")
     end = _merge(
         None if end_h is None else _parse_bool(end_h, HEADER_END),

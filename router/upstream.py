@@ -14,8 +14,8 @@ decompression, per-request timeouts objects, tracing). What is kept:
 - **An optional total limit** (``max_connections``): a request past it waits,
   first come first served, for a connection to be released.
 - **Timeouts**: connecting (``connect_timeout_s``), and the longest silence of
-  an engine during a request (``read_timeout_s``: no byte for that long). The
-  silence is checked by one timer per request, re-armed only when it fires.
+  an engine during a request (``read_timeout_s``: no byte for that long),
+  checked for all requests by the pool's one sweep (no timer per request).
 - **Stale keep-alive connections**: an engine closes an idle connection after
   its own keep-alive limit; a request that finds its reused connection closed
   before any byte of the answer raises ``StaleConnection``, so the caller can
@@ -43,7 +43,9 @@ import httptools
 STREAM_HIGH_WATER_BYTES = 256 * 1024
 """Unread answer bytes at which reading from the engine pauses (resumes below a quarter)."""
 SWEEP_INTERVAL_S = 1.0
-"""How often idle pooled connections are checked against ``keepalive_s``."""
+"""How often idle pooled connections are checked against ``keepalive_s``, and busy ones for silence."""
+SILENCE_CHECKS_PER_TIMEOUT = 0.25
+"""With a read timeout under four sweep intervals, the sweep runs every quarter of it instead."""
 
 Connector = Callable[[Callable[[], asyncio.Protocol]], Any]
 """Opens a transport for a protocol factory (``loop.create_connection`` curried): returns an awaitable of
@@ -172,7 +174,6 @@ class _Connection(asyncio.Protocol):
         self._error: UpstreamError | None = None
         self._waiter: asyncio.Future[None] | None = None
         self._reading_paused = False
-        self._timer: asyncio.TimerHandle | None = None
         self._last_io = 0.0
         self._head_only = False
         self._keep = False
@@ -264,26 +265,16 @@ class _Connection(asyncio.Protocol):
         self._keep = False
         self._head = fut = loop.create_future()
         self._last_io = loop.time()
-        if self.pool.read_timeout_s is not None:
-            self._timer = loop.call_at(self._last_io + self.pool.read_timeout_s, self._check_silence)
+        self.pool._busy.add(self)
         self.transport.write(data)
         return fut
 
-    def _check_silence(self) -> None:
-        self._timer = None
-        timeout = self.pool.read_timeout_s
-        if not self._busy or self._complete or self._error is not None or timeout is None:
-            return
-        loop = self.pool.loop
-        now = loop.time()
-        if self._reading_paused:  # waiting on our own slow reader, not on the engine
-            self._timer = loop.call_at(now + timeout, self._check_silence)
-            return
-        due = self._last_io + timeout
-        if now < due:  # bytes came since the timer was set
-            self._timer = loop.call_at(due, self._check_silence)
-            return
-        self._fail(ReadTimeout(f"the engine sent nothing for {timeout:g} s"))
+    def check_silence(self, now: float, timeout: float) -> None:
+        """Fail the request when the engine has sent nothing for ``timeout`` (the pool's sweep asks)."""
+        if self._complete or self._error is not None or self._reading_paused:
+            return  # done, failed, or waiting on our own slow reader rather than on the engine
+        if now - self._last_io >= timeout:
+            self._fail(ReadTimeout(f"the engine sent nothing for {timeout:g} s"))
 
     def _body_until_close(self) -> bool:
         """Whether the answer's body is delimited by the connection's end (no length, not chunked)."""
@@ -314,16 +305,11 @@ class _Connection(asyncio.Protocol):
         self._close_transport()
 
     def _close_transport(self) -> None:
-        self._cancel_timer()
+        self.pool._busy.discard(self)
         if self.transport is not None and not self.closed:
             self.closed = True
             self.transport.abort()
         self.pool._forget(self)
-
-    def _cancel_timer(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
 
     async def read_chunk(self) -> bytes:
         while True:
@@ -357,7 +343,7 @@ class _Connection(asyncio.Protocol):
         if not self._busy:
             return
         self._busy = False
-        self._cancel_timer()
+        self.pool._busy.discard(self)
         if self._keep and not self.closed:
             self.pool._release(self)
         else:
@@ -399,7 +385,11 @@ class UpstreamPool:
         """Connections open or being opened (the limit counts these)."""
         self._slot_waiters: collections.deque[asyncio.Future[None]] = collections.deque()
         self._ssl: ssl.SSLContext | None = None
-        self._sweeper: asyncio.TimerHandle | None = self.loop.call_later(SWEEP_INTERVAL_S, self._sweep)
+        self._busy: set[_Connection] = set()
+        """Connections with a request in progress (checked for the engine's silence by the sweep)."""
+        first = SWEEP_INTERVAL_S if read_timeout_s is None else min(SWEEP_INTERVAL_S,
+                                                                   read_timeout_s * SILENCE_CHECKS_PER_TIMEOUT)
+        self._sweeper: asyncio.TimerHandle | None = self.loop.call_later(first, self._sweep)
         self._closed = False
 
     # ---- public ---------------------------------------------------------------
@@ -548,11 +538,20 @@ class UpstreamPool:
         return False
 
     def _sweep(self) -> None:
-        """Close connections idle longer than ``keepalive_s`` (the oldest sit at each stack's bottom)."""
-        horizon = self.loop.time() - self.keepalive_s
+        """Close connections idle longer than ``keepalive_s`` (the oldest sit at each stack's bottom), and
+        fail requests whose engine has been silent for ``read_timeout_s``: one timer for the pool, none per
+        request (so a silence is noticed up to a sweep interval late)."""
+        now = self.loop.time()
+        horizon = now - self.keepalive_s
         for stack in self._idle.values():
             while stack and stack[0].idle_since < horizon:
                 conn = stack.popleft()
                 conn._close_transport()
                 self._released_slot()
-        self._sweeper = None if self._closed else self.loop.call_later(SWEEP_INTERVAL_S, self._sweep)
+        timeout = self.read_timeout_s
+        interval = SWEEP_INTERVAL_S
+        if timeout is not None:
+            interval = min(interval, timeout * SILENCE_CHECKS_PER_TIMEOUT)
+            for conn in list(self._busy):
+                conn.check_silence(now, timeout)
+        self._sweeper = None if self._closed else self.loop.call_later(interval, self._sweep)

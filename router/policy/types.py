@@ -40,10 +40,13 @@ class RequestMeta:
     batch. vLLM runs each as its own request (children sharing the prompt's cached blocks), so
     load, occupancy and completed units count it this many times."""
 
-    @property
-    def session_key(self) -> str:
-        """The id under which the policy tracks this request's session."""
-        return self.session_id if self.session_id is not None else f"req:{self.request_id}"
+    session_key: str = field(init=False, repr=False, compare=False)
+    """The id under which the policy tracks this request's session (computed once: the policy and the
+    runner look it up several times per request)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "session_key",
+                           self.session_id if self.session_id is not None else f"req:{self.request_id}")
 
     @property
     def single_request(self) -> bool:
