@@ -253,7 +253,7 @@ class ClientConnection(asyncio.Protocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
-            self._refuse(501, "protocol upgrades are not supported", "upgrade_not_supported")
+            self._refuse(400, "protocol upgrades (Upgrade: ...) are not supported", "upgrade_not_supported")
         except httptools.HttpParserError as exc:
             if not self._refused:
                 self._refuse(400, f"malformed HTTP request: {exc}", "bad_request")

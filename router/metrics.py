@@ -13,12 +13,13 @@ A per-app ``CollectorRegistry`` keeps two apps in one process (tests) apart.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable, Iterator
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from .policy.types import Completion, Decision
 from .status import RouterStatus
@@ -114,22 +115,44 @@ class _StateCollector(Collector):
         yield g("misat_paused", "1 while paused.", value=1.0 if s.paused else 0.0)
 
 
-class LabelledChildren:
-    """``metric.labels(*values)``, each child looked up once: prometheus_client's ``labels`` checks
-    the values and takes a lock on every call, and the proxy updates several series per request.
-    (None of these series ever has a child removed, so a cached child is never stale.)"""
+class _PerRequestSeries(Collector):
+    """The series every request updates, kept as plain numbers and turned into metric families at scrape
+    time: decisions, outcomes, tokens, and the proxy-overhead histogram.
 
-    __slots__ = ("_cache", "_metric")
+    prometheus_client's metric objects take a lock and check label values on every update, and the
+    data plane updates five of these series per request; the router runs one thread, so plain
+    dictionaries are enough, and the exposition is the same (names, labels, buckets).
+    """
 
-    def __init__(self, metric: Counter | Histogram) -> None:
-        self._metric = metric
-        self._cache: dict[tuple[str, ...], Any] = {}
+    def __init__(self) -> None:
+        self.decisions: dict[tuple[str, str, str], float] = {}
+        self.requests: dict[tuple[str, str], float] = {}
+        self.tokens: dict[tuple[str, str], float] = {}
+        self.overhead_counts = [0] * (len(OVERHEAD_BUCKETS) + 1)
+        self.overhead_sum = 0.0
 
-    def __call__(self, *values: str) -> Any:
-        child = self._cache.get(values)
-        if child is None:
-            child = self._cache[values] = self._metric.labels(*values)
-        return child
+    def observe_overhead(self, seconds: float) -> None:
+        self.overhead_counts[bisect.bisect_left(OVERHEAD_BUCKETS, seconds)] += 1
+        self.overhead_sum += seconds
+
+    def collect(self) -> Iterator[Metric]:
+        decisions = CounterMetricFamily("misat_decisions", "Policy decisions.", labels=["class", "action", "reason"])
+        for d_key, v in self.decisions.items():
+            decisions.add_metric(list(d_key), v)
+        requests = CounterMetricFamily("misat_requests", "Requests by final outcome.", labels=["class", "outcome"])
+        for r_key, v in self.requests.items():
+            requests.add_metric(list(r_key), v)
+        tokens = CounterMetricFamily("misat_tokens", "Tokens from usage (or estimates).", labels=["class", "kind"])
+        for t_key, v in self.tokens.items():
+            tokens.add_metric(list(t_key), v)
+        cumulative, buckets = 0, []
+        for le, n in zip((*OVERHEAD_BUCKETS, float("inf")), self.overhead_counts, strict=True):
+            cumulative += n
+            buckets.append((floatToGoString(le), cumulative))
+        overhead = HistogramMetricFamily(
+            "misat_proxy_overhead_seconds", "Request arrival to upstream request sent, hold time excluded.",
+            buckets=buckets, sum_value=self.overhead_sum)
+        yield from (decisions, requests, tokens, overhead)
 
 
 class RouterMetrics:
@@ -138,31 +161,17 @@ class RouterMetrics:
     def __init__(self, snapshot: Callable[[], RouterStatus]) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         r = self.registry
-        self.decisions = Counter(
-            "misat_decisions", "Policy decisions.", ["class", "action", "reason"], registry=r
-        )
         self.held = Counter(
             "misat_requests_held", "Requests held on arrival.", ["class", "reason"], registry=r
-        )
-        self.requests = Counter(
-            "misat_requests", "Requests by final outcome.", ["class", "outcome"], registry=r
         )
         self.invalid = Counter("misat_invalid_requests", "Requests refused as malformed.", registry=r)
         self.hold_wait = Histogram(
             "misat_hold_wait_seconds", "Time held before placement or give-up.",
             ["class", "outcome"], buckets=HOLD_WAIT_BUCKETS, registry=r,
         )
-        self.overhead = Histogram(
-            "misat_proxy_overhead_seconds",
-            "Request arrival to upstream request sent, hold time excluded.",
-            buckets=OVERHEAD_BUCKETS, registry=r,
-        )
         self.engine_failures = Counter(
             "misat_engine_connection_failures", "Connection errors while proxying.", ["engine"],
             registry=r,
-        )
-        self.tokens = Counter(
-            "misat_tokens", "Tokens from usage (or estimates).", ["class", "kind"], registry=r
         )
         self.reloads = Counter("misat_config_reloads", "Config reloads.", ["source", "result"], registry=r)
         self.aborted = Counter(
@@ -176,23 +185,29 @@ class RouterMetrics:
             ["engine"], registry=r,
         )
         r.register(_StateCollector(snapshot))
-        self._decisions = LabelledChildren(self.decisions)
-        self._requests = LabelledChildren(self.requests)
-        self._tokens = LabelledChildren(self.tokens)
+        self._per_request = per = _PerRequestSeries()
+        r.register(per)
+        self.overhead = per.observe_overhead
+        """Observe the proxy overhead of one request, in seconds (``misat_proxy_overhead_seconds``)."""
 
     def decision(self, workload_class: str, decision: Decision) -> None:
-        self._decisions(workload_class, decision.action.value, decision.reason.value).inc()
+        d = self._per_request.decisions
+        key = (workload_class, decision.action.value, decision.reason.value)
+        d[key] = d.get(key, 0.0) + 1.0
 
     def finished(self, workload_class: str, outcome: str) -> None:
         """A request's final outcome (``misat_requests_total``)."""
-        self._requests(workload_class, outcome).inc()
+        d = self._per_request.requests
+        key = (workload_class, outcome)
+        d[key] = d.get(key, 0.0) + 1.0
 
     def used(self, workload_class: str, completion: Completion) -> None:
         """The tokens a finished request used (``misat_tokens_total``)."""
-        self._tokens(workload_class, "prompt").inc(completion.prompt_tokens)
-        self._tokens(workload_class, "completion").inc(completion.completion_tokens)
-        if completion.cached_tokens:
-            self._tokens(workload_class, "cached").inc(completion.cached_tokens)
+        d = self._per_request.tokens
+        for kind, n in (("prompt", completion.prompt_tokens), ("completion", completion.completion_tokens),
+                        ("cached", completion.cached_tokens or 0)):
+            if n or kind != "cached":
+                d[(workload_class, kind)] = d.get((workload_class, kind), 0.0) + n
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -146,7 +146,7 @@ class Forwarder:
             engine, held_s = await s.dispatcher.admit(meta, remaining)
             held_total += held_s
             if attempt == 1:
-                s.metrics.overhead.observe(max(0.0, s.clock() - self.arrived - held_total))
+                s.metrics.overhead(max(0.0, s.clock() - self.arrived - held_total))
             try:
                 await self._attempt(engine)
                 return

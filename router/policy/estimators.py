@@ -27,13 +27,14 @@ class WindowPercentile:
     C-level search and move per sample) rather than sorted on read.
     """
 
-    __slots__ = ("_samples", "_sorted", "min_samples", "pct")
+    __slots__ = ("_samples", "_sorted", "_value", "min_samples", "pct")
 
     def __init__(self, window: int, pct: float, min_samples: int) -> None:
         self._samples: deque[float] = deque(maxlen=window)
         self._sorted: list[float] = []
         self.pct = pct
         self.min_samples = min_samples
+        self._value: float | None = None
 
     def reconfigure(self, window: int, pct: float, min_samples: int) -> None:
         """New window, percentile or sample floor; the newest samples are kept."""
@@ -42,6 +43,7 @@ class WindowPercentile:
             self._sorted = sorted(self._samples)
         self.pct = pct
         self.min_samples = min_samples
+        self._update()
 
     def add(self, value: float) -> None:
         value = float(value)
@@ -51,6 +53,12 @@ class WindowPercentile:
             del self._sorted[bisect.bisect_left(self._sorted, oldest)]
         samples.append(value)
         bisect.insort(self._sorted, value)
+        self._update()
+
+    def _update(self) -> None:
+        """Recompute the value after a change (read far more often than changed)."""
+        s = self._sorted
+        self._value = percentile(s, self.pct) if len(s) >= self.min_samples and s else None
 
     @property
     def count(self) -> int:
@@ -62,9 +70,7 @@ class WindowPercentile:
 
     def value(self) -> float | None:
         """The percentile, or ``None`` until ``min_samples`` samples arrived."""
-        if len(self._samples) < self.min_samples:
-            return None
-        return percentile(self._sorted, self.pct)
+        return self._value
 
     def samples(self) -> list[float]:
         """The remembered samples, oldest first."""

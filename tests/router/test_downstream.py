@@ -176,6 +176,8 @@ async def test_expect_100_continue_is_answered_before_the_body_is_sent(serve) ->
     pytest.param(b"POST /x HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nExpect: magic\r\n\r\n{}", 417,
                  "expectation_failed", id="unknown-expectation"),
     pytest.param(b"NOT HTTP AT ALL\r\n\r\n", 400, "bad_request", id="garbage"),
+    pytest.param(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n", 400,
+                 "upgrade_not_supported", id="upgrade"),
     pytest.param(b"POST /x HTTP/1.1\r\nContent-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n", 400, "bad_request",
                  id="length-and-chunked"),
 ])
