@@ -12,11 +12,13 @@ layout) falls back to decoding the whole body, so the answer is always what
 ``json.loads(body)["usage"]`` would give for a valid body.
 
 A stream (``SseUsageTracker``): chunks are relayed as they come; the tracker
-only splits them into events and looks at bytes. An event is decoded only when
-it can matter: the first one (the stream's ``id``), one whose bytes hold a
-``"usage": {`` (vLLM's final usage chunk, or every chunk with continuous usage
-stats), and one with a string ``finish_reason`` (which choices finished).
-Content events are counted, not decoded.
+looks at bytes. The complete events of a chunk are searched as one block, in
+C, for what can matter: a ``"usage": {`` (vLLM's final usage chunk, or every
+chunk with continuous usage stats), a string ``finish_reason`` (which choices
+finished), an empty ``choices``, ``[DONE]``. Without any (every token of a
+stream), its events are counted by their ``data:`` lines and nothing else is
+done; otherwise they are split and only those that can matter decoded, as is
+the stream's first (its ``id``).
 """
 
 from __future__ import annotations
@@ -153,8 +155,17 @@ class SseUsageTracker:
         buf = self._buf + chunk if self._buf else chunk
         if b"\r" in buf:
             buf = buf.replace(b"\r\n", b"\n")
-        *events, self._buf = buf.split(b"\n\n")
-        for event in events:
+        end = buf.rfind(b"\n\n")
+        if end < 0:
+            self._buf = buf
+            return
+        region, self._buf = buf[:end], buf[end + 2:]
+        if (self.stream_id is not None and b"[DONE]" not in region and not _USAGE_OBJECT.search(region)
+                and not _FINISHED.search(region) and not _NO_CHOICES.search(region)):
+            # Only content events (every token of a stream): counted by their data lines, in C.
+            self.events += region.count(b"\ndata:") + region.startswith(b"data:")
+            return
+        for event in region.split(b"\n\n"):
             for line in event.split(b"\n"):
                 if line.startswith(b"data:"):
                     self._data(line[5:].strip())

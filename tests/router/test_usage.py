@@ -195,3 +195,13 @@ def test_stream_several_choices_finish_separately() -> None:
     assert t.finished == {1}
     t.feed(sse(chunk("d", "length", index=0)))
     assert t.finished == {0, 1}
+
+
+def test_stream_content_events_are_counted_without_decoding() -> None:
+    t = SseUsageTracker()
+    t.feed(sse(chunk("first")))  # the stream's id comes from its first event
+    body = sse(*(chunk(f"line {i}\ndata: not an event") for i in range(50)))
+    for i in range(0, len(body), 1000):  # several events per piece, and pieces cut mid-event
+        t.feed(body[i:i + 1000])
+    t.feed(sse(chunk("end", "stop"), final_usage(), b"[DONE]"))
+    assert t.events == 52 and t.finished == {0} and t.usage == USAGE and t.stream_id == "cmpl-9"
