@@ -26,21 +26,20 @@ manual (``/usr/share/doc/haproxy/configuration.txt.gz``):
   here in the kill test). Bodies over ``tune.bufsize`` cannot be replayed
   (HAProxy keeps one buffer), so the buffer is sized for typical rollout
   prompts (``BUFSIZE_BYTES``);
-- ``/admin/`` is answered by the proxy itself with a 501 in the OpenAI error
-  shape: admin calls change one router's state, so they go to every shard's
-  own address (the operator and ``misat up`` do so), never to "some shard".
+- ``/admin/`` goes to any one shard like a request without a session id: the
+  shard applies a state-changing admin call on every live shard
+  (``misat_router.shard_admin``), so a trainer's admin client needs only the
+  pool's address.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 SESSION_HEADER = "X-Session-Id"
 """The header the proxy hashes (the router's session label, docs/router.md)."""
 HEALTH_PATH = "/health"
-ADMIN_PREFIX = "/admin/"
 
 CONNECT_TIMEOUT_S = 2
 """As the router's upstream_connect_timeout_s: a shard that does not accept within 2 s is tried elsewhere."""
@@ -76,20 +75,6 @@ class ShardServer:
 
     host: str
     port: int
-
-
-def _admin_refusal() -> str:
-    """The 501 body; free of single quotes, which delimit it in the config."""
-    body = {
-        "error": {
-            "message": "admin calls change the state of one router: send them to the address of every "
-            "shard (the pool status lists them), not through the shard proxy",
-            "type": "invalid_request_error",
-            "param": None,
-            "code": "admin_through_shard_proxy",
-        }
-    }
-    return json.dumps(body, separators=(",", ":"))
 
 
 def haproxy_config(
@@ -135,8 +120,6 @@ def haproxy_config(
     lines += [
         "frontend rollouts",
         f"    bind {bind}",
-        f"    http-request return status 501 content-type application/json string '{_admin_refusal()}' "
-        f"if {{ path_beg {ADMIN_PREFIX} }}",
         "    default_backend shards",
         "",
         "backend shards",

@@ -29,13 +29,14 @@ import contextlib
 import hmac
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from . import shard_admin
 from .config import RouterConfig
 from .errors import AdminDisabled, InvalidRequest, NotFound, Unauthorized
 from .passthrough import GENERATION_PREFIX, read_body
@@ -309,11 +310,20 @@ async def handle_engine_call(request: web.Request) -> web.Response:
     return web.json_response({"method": call.method, "path": call.path, "engines": results})
 
 
+async def _body(request: web.Request) -> bytes:
+    return await read_body(request, request.app[STATE].config.max_body_bytes)
+
+
+def _on_every_shard(merge: shard_admin.Merge) -> Callable[[shard_admin.Handler], shard_admin.Handler]:
+    return shard_admin.fans_out(merge, authorize=require_admin, read_body=_body)
+
+
 def add_routes(app: web.Application) -> None:
-    app.router.add_put("/admin/config", handle_put_config)
+    # State-changing calls run on every shard of a sharded pool (shard_admin.py); reads stay local.
+    app.router.add_put("/admin/config", _on_every_shard(shard_admin.merge_config)(handle_put_config))
     app.router.add_get("/admin/config", handle_get_config)
-    app.router.add_post("/admin/pause", handle_pause)
-    app.router.add_post("/admin/resume", handle_resume)
+    app.router.add_post("/admin/pause", _on_every_shard(shard_admin.merge_pause)(handle_pause))
+    app.router.add_post("/admin/resume", _on_every_shard(shard_admin.merge_pause)(handle_resume))
     # Fixed path first: aiohttp matches resources in the order they were added.
-    app.router.add_post("/admin/engines/call", handle_engine_call)
-    app.router.add_post("/admin/engines/{op}", handle_engine_op)
+    app.router.add_post("/admin/engines/call", _on_every_shard(shard_admin.merge_engines)(handle_engine_call))
+    app.router.add_post("/admin/engines/{op}", _on_every_shard(shard_admin.merge_engines)(handle_engine_op))

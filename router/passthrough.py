@@ -66,8 +66,20 @@ def response_headers(headers: Mapping[str, str], engine_id: str) -> CIMultiDict[
     return out
 
 
+_BODY = web.RequestKey("misat_body", bytes)
+"""Where ``read_body`` keeps the body on the request, so a second reader gets it too."""
+
+
 async def read_body(request: web.Request, limit: int) -> bytes:
-    """The request body, refused (``BodyTooLarge``) past ``limit`` bytes without reading it all."""
+    """The request body, refused (``BodyTooLarge``) past ``limit`` bytes without reading it all;
+    read once per request (a later call answers from the request)."""
+    if _BODY in request:
+        return request[_BODY]
+    request[_BODY] = body = await _read_body(request, limit)
+    return body
+
+
+async def _read_body(request: web.Request, limit: int) -> bytes:
     if request.content_length is not None and request.content_length > limit:
         raise BodyTooLarge(f"request body is larger than {limit} bytes")
     buf = bytearray()

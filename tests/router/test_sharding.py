@@ -193,3 +193,23 @@ def test_misat_router_takes_its_index_from_the_hostname_or_refuses_to_start(
     monkeypatch.setattr(server.socket, "gethostname", lambda: "pool-router-7")
     assert server.main(["--config", str(path), "--port", "0"]) == server.EXIT_CONFIG
     assert "shard index 7 is not one of the 3 shards.peers" in capsys.readouterr().err
+
+
+async def test_an_admin_call_a_peer_cannot_apply_is_a_502_naming_it(engines: list[FakeEngine]) -> None:
+    urls = [e.url for e in engines[:4]]
+    # Peer 0 answers /health (it is an engine) but has no admin API: the pause cannot reach it.
+    config = shard_config(urls, [engines[4].url, "http://127.0.0.1:9101"], peer_probe_interval_s=3600.0)
+    server = await start_service(create_app(config, admin_token="t", shard_index=1))
+    state: RouterState = server.app[STATE]
+    try:
+        async with aiohttp.ClientSession() as http:
+            async with http.post(server.url + "/admin/pause") as resp:
+                assert resp.status == 401  # refused here: nothing is sent on without the token
+            async with http.post(server.url + "/admin/pause", headers={"Authorization": "Bearer t"}) as resp:
+                body = await resp.json()
+        assert resp.status == 502 and body["error"]["code"] == "shard_fanout_failed"
+        assert "shard 0 answered 404" in body["error"]["message"]
+        assert body["shards"]["1"] == "ok" and body["shards"]["0"].startswith("answered 404")
+        assert state.runner.paused  # this shard applied it; the caller repeats the call
+    finally:
+        await server.stop()

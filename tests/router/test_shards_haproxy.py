@@ -136,11 +136,46 @@ async def test_sessions_stay_on_their_shard_and_shards_use_only_their_engines(
         no_session.append(int(raw.headers[SHARD_HEADER]))
     assert sorted(set(no_session)) == [0, 1, 2]
 
-    # Admin calls are refused by the proxy (they must reach every shard), in the OpenAI error shape.
-    async with aiohttp.ClientSession() as http, http.post(f"{shards.proxy_url}/admin/pause") as resp:
-        assert resp.status == 501
-        assert (await resp.json())["error"]["code"] == "admin_through_shard_proxy"
     await c.close()
+
+
+async def admin(http: aiohttp.ClientSession, url: str, path: str) -> tuple[int, dict[str, Any]]:
+    async with http.post(url + path, headers={"Authorization": "Bearer t"}) as resp:
+        return resp.status, await resp.json()
+
+
+async def paused(s: ShardSet) -> dict[int, bool]:
+    out = {}
+    async with aiohttp.ClientSession() as http:
+        for i, url in enumerate(s.shard_urls):
+            async with http.get(f"{url}/status") as resp:
+                out[i] = (await resp.json())["paused"]
+    return out
+
+
+async def test_admin_calls_through_the_proxy_reach_every_live_shard(
+    shards: ShardSet, engines: list[FakeEngine]
+) -> None:
+    await wait_ownership(shards, [0, 1, 2])
+    async with aiohttp.ClientSession() as http:
+        status, body = await admin(http, shards.proxy_url, "/admin/pause")
+        assert status == 200 and body["paused"] is True
+        assert body["shards"] == {"0": "ok", "1": "ok", "2": "ok"}
+        assert await paused(shards) == {0: True, 1: True, 2: True}
+        # An engine call reaches every engine once: each shard calls the engines it owns.
+        status, body = await admin(http, shards.proxy_url, "/admin/engines/reset_prefix_cache")
+        assert status == 200 and sorted(body["engines"]) == sorted(e.url for e in engines)
+        assert all(r["status"] == 200 for r in body["engines"].values())
+        status, body = await admin(http, shards.proxy_url, "/admin/resume?weight_version=v2")
+        assert status == 200 and body["paused"] is False
+        assert await paused(shards) == {0: False, 1: False, 2: False}
+
+        # A dead shard is skipped (its engines are the live shards' now), and said so.
+        shards.kill_shard(2)
+        owned = await wait_ownership(shards, [0, 1])
+        status, body = await admin(http, shards.proxy_url, "/admin/engines/reset_prefix_cache")
+        assert status == 200 and body["shards"]["2"].startswith("down")
+        assert sorted(body["engines"]) == sorted(e.url for e in engines) == sorted(owned[0] + owned[1])
 
 
 async def test_a_shard_killed_under_load_loses_no_request_and_its_return_reattaches(
