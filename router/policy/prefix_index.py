@@ -26,7 +26,7 @@ the last one (``PromptKeys.continue_from``) instead of hashing them again.
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator, Mapping
 from itertools import accumulate, compress, islice, repeat, takewhile
 
@@ -271,6 +271,9 @@ class PrefixIndex:
         flag = 1 << self._bit_for(engine_id)
         lru = self._lru[engine_id]
         seq = keys._all()
+        if all(map(lru.__contains__, seq)):  # a prompt the engine was sent before (a GRPO group, a retry)
+            deque(map(lru.move_to_end, seq), maxlen=0)
+            return
         new = list(map(lru.pop, seq, repeat(True)))  # True where the engine did not hold the key
         lru.update(zip(seq, repeat(False)))
         owners = self._owners
