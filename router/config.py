@@ -197,7 +197,8 @@ class RouterConfig(_Frozen):
     upstream_timeout_s: float = Field(
         3600.0, gt=0.0,
         description="Longest silence (seconds without a byte) from an engine during one request "
-        "(project default: a non-streamed 128K-token rollout sends nothing until it ends).",
+        "(project default: a non-streamed 128K-token rollout sends nothing until it ends). Checked by "
+        "one sweep a second (every quarter of the timeout when that is shorter), not a timer per request.",
     )
     upstream_max_connections: int | None = Field(
         None, ge=1,

@@ -293,12 +293,16 @@ class Forwarder:
     async def _relay_body(self, engine: str, upstream: UpstreamResponse) -> None:
         body = await upstream.read()  # CONNECT_FAILURES here: nothing sent yet, retry
         ok = upstream.status < 400
-        completion = usage_from_json(body, self.parsed.meta, ok)
-        self.state.dispatcher.finish(
-            self.parsed.meta, engine, completion, Outcome.OK if ok else Outcome.ENGINE_ERROR
-        )
-        self.out.respond(upstream.status, response_headers(upstream, engine.encode(), self.parsed.warning_bytes),
-                         body)
+        # The client first, the books right after, in the same step (no await between): nothing
+        # the client sends next can be decided before the finish is counted.
+        try:
+            self.out.respond(upstream.status,
+                             response_headers(upstream, engine.encode(), self.parsed.warning_bytes), body)
+        finally:
+            completion = usage_from_json(body, self.parsed.meta, ok)
+            self.state.dispatcher.finish(
+                self.parsed.meta, engine, completion, Outcome.OK if ok else Outcome.ENGINE_ERROR
+            )
 
     async def _relay_stream(self, engine: str, upstream: UpstreamResponse) -> None:
         s = self.state
