@@ -456,9 +456,11 @@ PROFILE_CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("policy decision", ("misat_router/policy/", "router/policy/")),
     ("request parsing", ("request_meta.py",)),
     ("usage parsing", ("usage.py",)),
-    ("upstream client (aiohttp)", ("aiohttp/client", "aiohttp/connector.py", "connector.py")),
-    ("HTTP server (aiohttp web)", ("aiohttp/web_", "aiohttp/http_", "aiohttp/_http", "aiohttp/base_protocol.py",
-                                   "aiohttp/helpers.py", "multidict", "yarl/")),
+    ("upstream client (aiohttp; data plane: upstream.py)", ("aiohttp/client", "aiohttp/connector.py",
+                                                             "connector.py", "router/upstream.py")),
+    ("HTTP server (aiohttp web; data plane: downstream.py)", (
+        "aiohttp/web_", "aiohttp/http_", "aiohttp/_http", "aiohttp/base_protocol.py", "aiohttp/helpers.py",
+        "multidict", "yarl/", "router/downstream.py")),
     ("router glue (proxy, dispatcher, state)", ("router/",)),
     ("event loop", ("asyncio/", "uvloop")),
 )

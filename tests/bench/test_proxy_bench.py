@@ -117,12 +117,14 @@ def test_profile_split_names_the_innermost_known_frame() -> None:
         "main (router/server.py:1);parse_request (router/request_meta.py:2);loads (router/json_codec.py:3) 6",
         "main (router/server.py:1);parse_request (router/request_meta.py:2) 2",
         "main (router/server.py:1);_request (aiohttp/client.py:5);<lambda> (foo.py:1) 1",
+        "main (router/server.py:1);request (router/upstream.py:9) 1",
         "run (asyncio/runners.py:1) 1",
         "garbage line",
     ])
     split = profile_split(raw)
-    assert split == pytest.approx({"JSON (de)serialisation": 0.6, "request parsing": 0.2,
-                                   "upstream client (aiohttp)": 0.1, "event loop": 0.1})
+    upstream = "upstream client (aiohttp; data plane: upstream.py)"
+    assert split == pytest.approx({"JSON (de)serialisation": 6 / 11, "request parsing": 2 / 11,
+                                   upstream: 2 / 11, "event loop": 1 / 11})
 
 
 def test_extra_router_flag() -> None:
