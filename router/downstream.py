@@ -40,23 +40,16 @@ import logging
 import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from http import HTTPStatus
 
 import httptools
+
+from .http1 import REASONS, first_header
 
 log = logging.getLogger(__name__)
 
 SWEEP_INTERVAL_S = 1.0
 """How often idle connections are checked and the cached ``Date`` header refreshed."""
 
-_REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
-HOP_BY_HOP = frozenset((
-    b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te", b"trailer",
-    b"transfer-encoding", b"upgrade", b"content-length", b"host",
-))
-"""Headers that describe one connection (and the framing this server sets itself): never relayed."""
-NOT_RELAYED_IN_ANSWERS = HOP_BY_HOP | {b"date"}
-"""Headers of an upstream answer a relay drops: the connection's own, and ``Date`` (this server sets it)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,10 +96,7 @@ class IncomingRequest:
 
     def header(self, name: bytes) -> bytes | None:
         """The first value of header ``name`` (give it in lower case), or None."""
-        for k, v in self.headers:
-            if k.lower() == name:
-                return v
-        return None
+        return first_header(self.headers, name)
 
     @property
     def mapping(self) -> dict[str, str]:
@@ -141,7 +131,7 @@ class Responder:
         conn = self._conn
         keep = self._keep and not conn.server.closing
         self._keep = keep
-        out = bytearray(b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b"Unknown")))
+        out = bytearray(b"HTTP/1.1 %d %s\r\n" % (status, REASONS.get(status, b"Unknown")))
         for k, v in headers:
             out += k + b": " + v + b"\r\n"
         out += b"Date: " + conn.server.date + b"\r\n"
@@ -457,7 +447,7 @@ class ClientConnection(asyncio.Protocol):
         if self.closed:
             return
         body = self.server.error_body(status, message, code)
-        out = bytearray(b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b"Unknown")))
+        out = bytearray(b"HTTP/1.1 %d %s\r\n" % (status, REASONS.get(status, b"Unknown")))
         out += b"Content-Type: application/json\r\nContent-Length: %d\r\nDate: %s\r\n" % (len(body), self.server.date)
         out += self.server.extra_header + b"Connection: close\r\n\r\n" + body
         self.write(out)

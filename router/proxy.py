@@ -40,8 +40,9 @@ import os
 import time
 from dataclasses import dataclass
 
-from .downstream import HOP_BY_HOP, NOT_RELAYED_IN_ANSWERS, IncomingRequest, Responder
+from .downstream import IncomingRequest, Responder
 from .errors import InvalidRequest, RouterError, ShuttingDown, UpstreamUnavailable, openai_error_body
+from .http1 import HOP_BY_HOP, NOT_RELAYED_IN_ANSWERS
 from .http_errors import error_answer
 from .metrics import Outcome
 from .policy.types import Completion, RequestMeta

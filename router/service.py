@@ -32,15 +32,8 @@ from typing import Any
 
 from aiohttp import web
 
-from .downstream import (
-    DEFAULT_LIMITS,
-    HOP_BY_HOP,
-    NOT_RELAYED_IN_ANSWERS,
-    DataPlaneServer,
-    IncomingRequest,
-    Responder,
-    ServerLimits,
-)
+from .downstream import DEFAULT_LIMITS, DataPlaneServer, IncomingRequest, Responder, ServerLimits
+from .http1 import HOP_BY_HOP, NOT_RELAYED_IN_ANSWERS
 from .http_errors import http_error_body
 from .proxy import GENERATION_PATHS, generation
 from .sharding import SHARD_HEADER

@@ -40,6 +40,8 @@ from urllib.parse import urlsplit
 
 import httptools
 
+from .http1 import first_header
+
 STREAM_HIGH_WATER_BYTES = 256 * 1024
 """Unread answer bytes at which reading from the engine pauses (resumes below a quarter)."""
 SWEEP_INTERVAL_S = 1.0
@@ -123,10 +125,7 @@ class UpstreamResponse:
 
     def header(self, name: bytes) -> bytes | None:
         """The first value of header ``name`` (lower case), or None."""
-        for k, v in self.headers:
-            if k.lower() == name:
-                return v
-        return None
+        return first_header(self.headers, name)
 
     @property
     def content_type(self) -> bytes:
