@@ -44,6 +44,8 @@ log = logging.getLogger(__name__)
 
 CONTROL_ORIGIN = Origin(key="control", host="control", port=0, tls=False, host_header=b"control", base_path=b"")
 """The control app, as the relay addresses it (the Host header it sees)."""
+_NOT_RELAYED = HOP_BY_HOP | {b"expect"}
+"""Request headers the relay does not pass (the body travels whole: nothing to continue)."""
 CONTROL_KEEPALIVE_S = 30.0
 """Idle relay connections to the control app are kept this long."""
 CONTROL_SERVER_OPTIONS: dict[str, object] = {
@@ -127,7 +129,7 @@ class RouterService:
     async def _relay(self, req: IncomingRequest, out: Responder) -> None:
         """Pass a request to the control app and its answer back, unchanged but for framing."""
         assert self.control is not None
-        headers = b"".join(k + b": " + v + b"\r\n" for k, v in req.headers if k.lower() not in HOP_BY_HOP)
+        headers = b"".join(k + b": " + v + b"\r\n" for k, v in req.headers if k.lower() not in _NOT_RELAYED)
         try:
             try:
                 answer = await self.control.request(CONTROL_ORIGIN, req.method, req.target, headers, req.body)
