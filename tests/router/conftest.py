@@ -72,14 +72,14 @@ async def engines() -> AsyncIterator[list[FakeEngine]]:
 
 async def start_router(
     engines: list[FakeEngine] | list[str], /, *, admin_token: str | None = None, config_path: str | None = None,
-    **overrides: Any,
+    shard_index: int | None = None, **overrides: Any,
 ) -> RouterHarness:
     """A router in front of fake engines or engine URLs, healthy on all of them; keyword overrides
     replace RouterConfig fields."""
     fakes = [e for e in engines if isinstance(e, FakeEngine)]
     urls = [e.url if isinstance(e, FakeEngine) else e for e in engines]
     cfg = router_config(urls, **overrides)
-    app = create_app(cfg, admin_token=admin_token, config_path=config_path)
+    app = create_app(cfg, admin_token=admin_token, config_path=config_path, shard_index=shard_index)
     server = await start_service(app)
     h = RouterHarness(server, fakes)
     if urls:

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import pytest
 
 from misat_router.upstream import (
+    STREAM_HIGH_WATER_BYTES,
     ConnectFailed,
     ConnectionBroke,
     Origin,
@@ -292,3 +293,22 @@ async def _until(predicate: Callable[[], bool]) -> None:
     async with asyncio.timeout(WAIT_S):
         while not predicate():
             await asyncio.sleep(0.01)
+
+
+async def test_a_slow_reader_pauses_reading_from_the_engine_and_loses_nothing(make) -> None:
+    piece = 65536
+    pieces = 4 * STREAM_HIGH_WATER_BYTES // piece
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        await engine.read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % (pieces * piece))
+        for i in range(pieces):
+            writer.write(bytes([i % 251]) * piece)
+            await writer.drain()  # blocks while the router has stopped reading
+
+    engine, pool, origin = await make(script)
+    resp = await pool.request(origin, b"POST", b"/x", b"", b"{}")
+    await _until(lambda: resp._conn._reading_paused)  # nothing read yet: past the high-water mark
+    body = await resp.read()
+    assert body == b"".join(bytes([i % 251]) * piece for i in range(pieces))
+    assert pool.idle_connections(origin) == 1
