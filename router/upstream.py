@@ -101,7 +101,7 @@ class Origin:
             host=parts.hostname,
             port=port,
             tls=tls,
-            host_header=parts.netloc.rsplit("@", 1)[-1].encode("idna" if not parts.netloc.isascii() else "ascii"),
+            host_header=parts.netloc.rsplit("@", 1)[-1].encode("idna"),  # without any user:password@
             base_path=parts.path.rstrip("/").encode(),
         )
 
