@@ -115,10 +115,10 @@ class Responder:
 
     __slots__ = ("_conn", "_http10", "_keep", "finished", "started", "status")
 
-    def __init__(self, conn: ClientConnection, request: IncomingRequest) -> None:
+    def __init__(self, conn: ClientConnection, *, http10: bool, keep_alive: bool) -> None:
         self._conn = conn
-        self._http10 = request.version == "1.0"
-        self._keep = request.keep_alive
+        self._http10 = http10
+        self._keep = keep_alive
         self.started = False
         self.finished = False
         self.status = 0
@@ -399,7 +399,7 @@ class ClientConnection(asyncio.Protocol):
 
     async def _serve(self, req: IncomingRequest) -> bool:
         """Answer one request; True when the connection goes on to the next."""
-        out = Responder(self, req)
+        out = Responder(self, http10=req.version == "1.0", keep_alive=req.keep_alive)
         self._serving = True
         try:
             await self.server.handler(req, out)
@@ -446,11 +446,8 @@ class ClientConnection(asyncio.Protocol):
     def _send_refusal(self, status: int, message: str, code: str) -> None:
         if self.closed:
             return
-        body = self.server.error_body(status, message, code)
-        out = bytearray(b"HTTP/1.1 %d %s\r\n" % (status, REASONS.get(status, b"Unknown")))
-        out += b"Content-Type: application/json\r\nContent-Length: %d\r\nDate: %s\r\n" % (len(body), self.server.date)
-        out += self.server.extra_header + b"Connection: close\r\n\r\n" + body
-        self.write(out)
+        out = Responder(self, http10=False, keep_alive=False)
+        out.respond_json(status, self.server.error_body(status, message, code))
         self._close()
 
     def _close(self) -> None:
@@ -524,9 +521,6 @@ class DataPlaneServer:
             self._server.close()
         for conn in list(self.connections):
             conn.close_if_idle(None)
-
-    def busy_connections(self) -> int:
-        return sum(1 for c in self.connections if c.busy)
 
     async def close(self) -> None:
         """Close every connection now (what is still running is cancelled)."""

@@ -49,10 +49,6 @@ SWEEP_INTERVAL_S = 1.0
 SILENCE_CHECKS_PER_TIMEOUT = 0.25
 """With a read timeout under four sweep intervals, the sweep runs every quarter of it instead."""
 
-Connector = Callable[[Callable[[], asyncio.Protocol]], Any]
-"""Opens a transport for a protocol factory (``loop.create_connection`` curried): returns an awaitable of
-``(transport, protocol)``."""
-
 
 class UpstreamError(Exception):
     """A request to an engine failed at the transport level."""
