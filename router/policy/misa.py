@@ -483,13 +483,18 @@ class MisaPolicy(Policy):
         size = live.peak_tokens if fp.statistic == "peak" else live.peak_tokens / 2.0
         # k_b is per sequence: a group's samples share its prompt and split its footprint.
         size /= live.samples
-        self.footprint.setdefault(
-            live.workload_class, WindowPercentile(fp.window, fp.percentile, fp.min_samples)
-        ).add(size)
-        rs = self.settings.residency
-        self.residency.setdefault(
-            live.workload_class, WindowPercentile(rs.window, rs.percentile, rs.min_samples)
-        ).add(now - live.admitted_at)
+        b = live.workload_class
+        # Looked up before built: this runs at the end of every session (every request of a
+        # single-turn class), and most of the time the class has its estimators already.
+        footprint = self.footprint.get(b)
+        if footprint is None:
+            footprint = self.footprint[b] = WindowPercentile(fp.window, fp.percentile, fp.min_samples)
+        footprint.add(size)
+        residency = self.residency.get(b)
+        if residency is None:
+            rs = self.settings.residency
+            residency = self.residency[b] = WindowPercentile(rs.window, rs.percentile, rs.min_samples)
+        residency.add(now - live.admitted_at)
 
     def on_metrics(self, engines: Engines, now: float) -> None:
         pf = self.settings.prefix

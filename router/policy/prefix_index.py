@@ -28,20 +28,16 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator, Mapping
-from itertools import accumulate, compress, islice, repeat, takewhile
+from itertools import accumulate, compress, count, islice, repeat, takewhile
 
 from .radix_tree import common_prefix
 from .settings import PrefixIndexSettings
 from .types import RequestMeta
 
-# Distinct chain seeds keep token-id keys and text keys from ever being equal
-# by construction of the chain (the seed is the parent of the first block).
+# Distinct chain seeds put token-id keys and text keys in different key spaces: a key of
+# one equals a key of the other only by a 64-bit coincidence (every key carries its seed).
 _TOKEN_CHAIN_SEED = 0x6D697361
 _TEXT_CHAIN_SEED = 0x74657874
-
-
-_CHAIN_MULTIPLIER = 0x100000001B3
-_KEY_MASK = (1 << 64) - 1
 
 
 _BATCH = 32
@@ -52,13 +48,18 @@ class PromptKeys:
     """The chained keys of one prompt, computed lazily, and how many tokens each stands for.
 
     Computed when first asked for (a continuation placed on its session's engine
-    needs them only for the insert after it). Key ``i`` depends on
-    every block before it (``parent * M ^ hash(block)``), so equal blocks under
-    different prefixes get different keys, as vLLM's chained block hashes do.
+    needs them only for the insert after it). Key ``i`` is the chain seed XOR the
+    hashes of ``(j, block j)`` for every ``j <= i``: it depends on every block
+    before it and on where each sits, so equal blocks under different prefixes
+    get different keys, as vLLM's chained block hashes do, and two prompts share
+    key ``i`` only when they share blocks ``0..i`` (or on a 64-bit coincidence,
+    which costs one wrong guess of a hit, never a wrong answer).
 
-    Token blocks are hashed by one iterator in C (a ``zip`` of the prompt's
-    iterator with itself yields each block as a tuple, which ``zip`` reuses once
-    hashed), so Python only chains them; text chunks are hashed as slices.
+    The whole chain runs in C: a ``zip`` of the prompt's iterator with itself
+    yields each block as a tuple, ``zip`` with a counter tags it with its
+    position, ``hash`` maps it and ``accumulate`` XORs the running key. (A
+    multiply-and-XOR chain needs a Python step per block, and that loop was
+    the largest single cost of a decision, docs/scale.md.)
     """
 
     __slots__ = ("_blocks", "_count", "_keys", "_parent", "_seed", "_source", "_step", "tokens_per_key")
@@ -110,27 +111,23 @@ class PromptKeys:
         n = min(upto, self._count) - have
         if n <= 0:
             return
-        src, step = self._source, self._step
-        parent = self._parent
-        append = keys.append
-        if isinstance(src, str):
-            for start in range(have * step, (have + n) * step, step):
-                parent = ((parent * _CHAIN_MULTIPLIER) ^ hash(src[start : start + step])) & _KEY_MASK
-                append(parent)
-        else:
-            blocks = self._blocks
-            if blocks is None:
-                # The hashes of the blocks from the first without a key on: hash(tuple of a
-                # block's ids) == hash(src[i:i + step]), so the keys do not depend on how the
-                # blocks are cut out. A partial last block is dropped by zip.
-                blocks = self._blocks = map(hash, zip(*[iter(src[have * step:] if have else src)] * step,
-                                                      strict=False))
-            for h in islice(blocks, n):
-                parent = ((parent * _CHAIN_MULTIPLIER) ^ h) & _KEY_MASK
-                append(parent)
-            if len(keys) == self._count:
-                self._blocks = None  # done: drop the iterators
-        self._parent = parent
+        chain = self._blocks
+        if chain is None:
+            src, step = self._source, self._step
+            if isinstance(src, str):
+                end = self._count * step
+                blocks: Iterator[object] = map(src.__getitem__, map(slice, range(have * step, end, step),
+                                                                    range((have + 1) * step, end + step, step)))
+            else:
+                # A partial last block is dropped by zip.
+                blocks = zip(*[iter(src[have * step:] if have else src)] * step, strict=False)
+            chain = self._blocks = accumulate(map(hash, zip(count(have), blocks)), int.__xor__,
+                                                initial=self._parent)
+            next(chain)  # the initial value: the key before the first block computed here
+        keys.extend(islice(chain, n))
+        self._parent = keys[-1]
+        if len(keys) == self._count:
+            self._blocks = None  # done: drop the iterators
 
     def _all(self) -> list[int]:
         """Every key, in order (computes the whole chain); the list is the object's own."""

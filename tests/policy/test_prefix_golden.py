@@ -8,7 +8,9 @@ every decision with its scores. It was written (``--write --reference``) by the
 policy files of commit f995cf3, which predate the fast paths (divergence found
 by 64-symbol chunks, two walks per placed prompt, every block hashed on every
 turn, one Python step per block), so a change that keeps it passing takes the
-same decisions.
+same decisions. The ``keys`` records alone were rewritten since, when the key chain
+moved into C (an XOR of position-tagged block hashes instead of multiply-and-XOR):
+every other record, each match and decision, was unchanged by it.
 
 The sequences are regenerated here from their seeds; the record keeps, per
 operation, its kind and a 32-bit digest of its canonical JSON answer, so a

@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from multidict import CIMultiDict
 
 from misat_router.errors import InvalidRequest
 from misat_router.policy.settings import PrefixIndexSettings, WorkloadMix
-from misat_router.request_meta import EndpointKind, parse_request, render_messages
+from misat_router.request_meta import EndpointKind, _all_ints, parse_request, render_messages
 
 MIX = WorkloadMix.model_validate({"classes": [
     {"name": "rlvr", "share": 50}, {"name": "agentic", "share": 50, "multi_turn": True}]})
@@ -110,3 +112,17 @@ def test_token_id_prompts_of_integers_are_taken_as_ids() -> None:
     assert parse({"prompt": [0, 5, 2**40], "rollout": {"class": "rlvr"}}).meta.prompt_token_ids == (0, 5, 2**40)
     batched = parse({"prompt": [[7, 8], [9]], "rollout": {"class": "rlvr"}}).meta
     assert batched.prompt_token_ids == (7, 8) and batched.prompt_tokens == 3
+
+
+_JSON_ITEMS = st.one_of(
+    st.integers(), st.integers(min_value=2**63, max_value=2**80), st.booleans(), st.none(),
+    st.floats(allow_nan=False), st.text(max_size=3), st.lists(st.integers(), max_size=2),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(items=st.lists(_JSON_ITEMS, min_size=1, max_size=12))
+def test_all_ints_is_exact_on_any_decoded_list(items: list[object]) -> None:
+    """The C-level check (a sum, then the items' JSON) answers as the plain definition does:
+    bools, floats, strings, nulls, lists and integers past 64 bits in any mix."""
+    assert _all_ints(items) == all(type(v) is int for v in items)
