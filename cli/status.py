@@ -1,5 +1,10 @@
 """``misat status [URL]``: a running router's ``/status``, as tables a person reads.
 
+Through the proxy of a sharded pool (``misat up --shards N``) it shows the whole
+pool, combined by the shard that answers from every live shard's view
+(``/status?scope=pool``), with a line saying which shards answered; ``--shard``
+shows only the answering shard's view.
+
 Shares are percent, as in the RolloutPool manifest; KV figures from the
 policy's footprint estimates are labelled as estimates, and the engines'
 own measured KV use sits beside them. The rendering is pure (a dict in,
@@ -63,6 +68,13 @@ def summary(status: Mapping[str, Any]) -> Table:
                  f"sessions ended idle {_text(status.get('sessions_ended_idle'))}", "")
     if status.get("last_reload_error"):
         grid.add_row("[bold red]last rejected config[/]", str(status["last_reload_error"]), "", "", "")
+    shards = status.get("shards")
+    if isinstance(shards, dict) and shards:
+        grid.add_row("[bold]shards[/]", "; ".join(f"{i}: {v}" for i, v in shards.items()), "", "", "")
+    elif isinstance(status.get("shard"), dict):
+        sh = status["shard"]
+        grid.add_row("[bold]shard[/]", f"{_text(sh.get('index'))} of {_text(sh.get('count'))}: this shard's "
+                     "view only", f"live shards {_text(sh.get('live'))}", "", "")
     return grid
 
 
@@ -122,9 +134,11 @@ def render_status(status: Mapping[str, Any]) -> RenderableType:
     return Group(*parts)
 
 
-async def fetch_status(url: str) -> dict[str, Any]:
+async def fetch_status(url: str, scope: str = "pool") -> dict[str, Any]:
+    """``/status`` of the router at ``url``: the pool's view (``pool``; an unsharded router's own)
+    or only the answering shard's (``shard``)."""
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=TIMEOUT_S)) as http, \
-            http.get(url.rstrip("/") + "/status") as resp:
+            http.get(url.rstrip("/") + "/status", params={"scope": scope}) as resp:
         if resp.status != 200:
             raise RuntimeError(f"{url}/status answered {resp.status}: {(await resp.text())[:300]}")
         body: dict[str, Any] = await resp.json()
@@ -135,6 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="misat status", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("url", nargs="?", default=DEFAULT_URL, help=f"the router's base URL (default {DEFAULT_URL})")
+    ap.add_argument("--shard", action="store_true",
+                    help="a sharded pool: only the view of the shard that answers, not the whole pool's")
     return ap
 
 
@@ -145,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     # Wide enough for the engines table when output is a pipe or a log (rich assumes 80 there).
     console = Console() if sys.stdout.isatty() else Console(width=PIPE_WIDTH)
     try:
-        status = asyncio.run(fetch_status(args.url))
+        status = asyncio.run(fetch_status(args.url, "shard" if args.shard else "pool"))
     except (aiohttp.ClientError, TimeoutError, RuntimeError, ValueError) as exc:
         print(f"misat status: cannot read {args.url}/status: {exc or type(exc).__name__}", file=sys.stderr)
         return 1

@@ -48,6 +48,7 @@ import kopf
 from pydantic import ValidationError
 
 from misat_router.config import RouterConfig
+from misat_router.shard_status import ShardReading, combine_shards
 from misat_router.status import RouterStatus
 
 from .apply import ChildProblem, NameConflict, apply_object
@@ -78,9 +79,7 @@ from .status import (
     Cond,
     Observed,
     Pending,
-    ShardReading,
     Stall,
-    combine_shards,
     deployment_ready,
     merge_conditions,
     now_iso,

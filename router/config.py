@@ -105,6 +105,11 @@ class ShardsConfig(_Frozen):
         "peer_down_after_failures=2 a dead shard's engines are re-homed within about 1.5 s).",
     )
     peer_probe_timeout_s: float = Field(0.4, gt=0.0, description="Timeout of one peer /health check.")
+    peer_status_timeout_s: float = Field(
+        2.0, gt=0.0,
+        description="Timeout of one peer's /status when a shard answers GET /status?scope=pool (a peer "
+        "slower than this is reported unreachable in the answer's 'shards', not waited for).",
+    )
     peer_down_after_failures: int = Field(
         2, ge=1,
         description="Consecutive failed peer checks after which the other shards take over its engines "

@@ -10,7 +10,8 @@ import pytest
 
 from misat_cli.shards import find_haproxy
 from misat_operator.haproxy import ShardServer, haproxy_config
-from misat_operator.status import ShardReading, combine_shards, shards_error, shards_view
+from misat_operator.status import shards_error, shards_view
+from misat_router.shard_status import ShardReading, combine_shards
 from misat_router.status import ClassStatus, EngineStatus, RouterStatus, ShardStatus
 
 

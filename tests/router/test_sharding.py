@@ -213,3 +213,43 @@ async def test_an_admin_call_a_peer_cannot_apply_is_a_502_naming_it(engines: lis
         assert state.runner.paused  # this shard applied it; the caller repeats the call
     finally:
         await server.stop()
+
+
+async def test_status_scope_is_checked_and_an_unsharded_router_is_its_own_pool(engines: list[FakeEngine]) -> None:
+    server = await start_service(create_app(router_config([engines[0].url]), admin_token=None))
+    try:
+        async with aiohttp.ClientSession() as http:
+            async with http.get(server.url + "/status", params={"scope": "pool"}) as resp:
+                body = await resp.json()
+                assert resp.status == 200 and "shards" not in body and body["shard"] is None
+            async with http.get(server.url + "/status", params={"scope": "cluster"}) as resp:
+                error = (await resp.json())["error"]
+                assert resp.status == 400 and error["param"] == "scope" and "'cluster'" in error["message"]
+    finally:
+        await server.stop()
+
+
+async def pool_view(url: str) -> dict[str, object]:
+    async with aiohttp.ClientSession() as http, http.get(url + "/status", params={"scope": "pool"}) as resp:
+        assert resp.status == 200
+        body: dict[str, object] = await resp.json()
+        return body
+
+
+async def test_a_pool_status_names_a_live_peer_that_did_not_answer(engines: list[FakeEngine]) -> None:
+    urls = [e.url for e in engines[:4]]
+    # Peer 0 is live by its /health (an engine's) but has no /status: the pool view lacks it.
+    config = shard_config(urls, [engines[4].url, "http://127.0.0.1:9101"], peer_probe_interval_s=3600.0)
+    server = await start_service(create_app(config, admin_token=None, shard_index=1))
+    state: RouterState = server.app[STATE]
+    try:
+        pool = await pool_view(server.url)
+        assert pool["ready"] is False
+        assert pool["shards"]["1"] == "ok" and pool["shards"]["0"].startswith("answered 404")
+        assert sorted(e["id"] for e in pool["engines"]) == [urls[1], urls[3]]
+        state.peer_checked(0, False, "refused")
+        state.peer_checked(0, False, "refused")  # down: its engines are this shard's now
+        pool = await pool_view(server.url)
+        assert pool["shards"]["0"].startswith("down") and len(pool["engines"]) == 4
+    finally:
+        await server.stop()

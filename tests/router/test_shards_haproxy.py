@@ -22,8 +22,10 @@ import aiohttp
 import httpx2
 import openai
 import pytest
+from rich.console import Console
 
 from misat_cli.shards import ShardSet, shard_set
+from misat_cli.status import fetch_status, render_status
 from misat_router.sharding import SHARD_HEADER
 from tests.support.fake_engine import FakeEngine
 from tests.support.router_config import MODEL, router_config
@@ -135,8 +137,19 @@ async def test_sessions_stay_on_their_shard_and_shards_use_only_their_engines(
             model=MODEL, prompt=[1], max_tokens=1, extra_headers={"X-Rollout-Class": "rlvr"})
         no_session.append(int(raw.headers[SHARD_HEADER]))
     assert sorted(set(no_session)) == [0, 1, 2]
-
     await c.close()
+
+    # `misat status` through the proxy: the whole pool, whichever shard answers.
+    pool = await fetch_status(shards.proxy_url)
+    assert pool["shards"] == {"0": "ok", "1": "ok", "2": "ok"}
+    assert sorted(e["id"] for e in pool["engines"]) == sorted(e.url for e in engines)
+    by_class = {c["name"]: c for c in pool["classes"]}
+    assert by_class["agentic"]["active_sessions"] == 40 and by_class["rlvr"]["completed_units"] == 9
+    console = Console(width=250, record=True)
+    console.print(render_status(pool))
+    assert "0: ok; 1: ok; 2: ok" in console.export_text()
+    one = await fetch_status(shards.proxy_url, "shard")  # --shard: the answering shard's view only
+    assert "shards" not in one and len(one["engines"]) == len(owned[one["shard"]["index"]])
 
 
 async def admin(http: aiohttp.ClientSession, url: str, path: str) -> tuple[int, dict[str, Any]]:
@@ -176,6 +189,9 @@ async def test_admin_calls_through_the_proxy_reach_every_live_shard(
         status, body = await admin(http, shards.proxy_url, "/admin/engines/reset_prefix_cache")
         assert status == 200 and body["shards"]["2"].startswith("down")
         assert sorted(body["engines"]) == sorted(e.url for e in engines) == sorted(owned[0] + owned[1])
+    pool = await fetch_status(shards.proxy_url)  # its engines are in the live shards' views
+    assert pool["shards"]["0"] == pool["shards"]["1"] == "ok" and pool["shards"]["2"].startswith("down")
+    assert sorted(e["id"] for e in pool["engines"]) == sorted(e.url for e in engines)
 
 
 async def test_a_shard_killed_under_load_loses_no_request_and_its_return_reattaches(
