@@ -254,8 +254,7 @@ class PolicySettings(_Settings):
         description="misa-t, misa, session-admission (MISA-T and its ablations), cache-aware (the "
         "vLLM Router's policy), least-loaded or round-robin. Default misa-t, chosen on benchmark v2 "
         "by the rule in docs/policy.md (the highest worst-cell ratio to each cell's own oracle over "
-        "the whole matrix, mixture-constrained, mean over 3 seeds): 0.98x on average over 10 cells, "
-        "worst 0.91x; misa 0.90x, worst 0.60x (length drift).",
+        "the whole matrix, mixture-constrained, mean over 3 seeds; the figures are there).",
     )
     budget_basis: Literal["demand", "target"] = Field(
         "demand",
