@@ -22,12 +22,12 @@ from pydantic import ValidationError
 from .errors import InvalidRequest
 from .metrics import CONTENT_TYPE
 from .shard_status import ShardReading, combine_shards
+from .sharding import SHARD_DOWN
 from .state import STATE, RouterState
 from .status import RouterStatus
 
 SCOPES = ("shard", "pool")
 """``GET /status?scope=``: this router's view (the default) or, on a shard, the pool's."""
-SHARD_DOWN = "down (its engines are taken over by the live shards)"
 
 
 async def handle_health(request: web.Request) -> web.Response:

@@ -34,6 +34,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from .sharding import SHARD_DOWN
 from .state import STATE, RouterState
 
 FANOUT_HEADER = "X-Misat-Fanout"
@@ -157,7 +158,7 @@ def fans_out(
                 else:
                     failed.append(f"shard {i} {why}")
             for i in peers.peers():
-                detail.setdefault(str(i), "down (its engines are taken over by the live shards)")
+                detail.setdefault(str(i), SHARD_DOWN)
             merged = merge(answers)
             merged["shards"] = dict(sorted(detail.items(), key=lambda kv: int(kv[0])))
             if failed:

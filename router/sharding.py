@@ -118,5 +118,8 @@ class PeerLiveness:
         return st.last_error if st else None
 
 
+SHARD_DOWN = "down (its engines are taken over by the live shards)"
+"""How a pool-wide answer (admin fan-out, ``/status?scope=pool``) describes a shard its peers see down."""
+
 SHARD_HEADER = "X-Misat-Shard"
 """Response header naming the shard that answered (its index), on every answer of a shard."""
