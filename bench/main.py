@@ -39,6 +39,7 @@ from misat_bench.cluster_runs import RunCache, RunRecord, dump_records, run_all
 from misat_bench.goals import evaluate_goals, render_goals
 from misat_bench.report import BenchResult, markdown_table, plot_cell, render_table, summarise
 from misat_bench.suite import (
+    DEFAULT_POLICY,
     MIXTURE_FAMILY,
     POLICY_VARIANTS,
     QUICK,
@@ -46,6 +47,7 @@ from misat_bench.suite import (
     Cell,
     Plan,
     RunSpec,
+    default_variant,
     parse_cells,
     plan_suite,
 )
@@ -237,7 +239,8 @@ def main(argv: list[str] | None = None) -> int:
         if empty:
             console.print(f"[yellow]no runs yet for {', '.join(empty)} (left out of the result)[/yellow]")
         result.cells = [c for c in summaries if c.rows]
-        result.goals = evaluate_goals(result.cells)
+        # The goals are the default policy's, under whichever name this invocation ran it.
+        result.goals = evaluate_goals(result.cells, default_variant(policies or s.policies) or DEFAULT_POLICY)
         result.cpu_s_total = sum(r.cpu_s for r in result.runs)
     http_rows = []
     if args.layer in ("http", "all"):

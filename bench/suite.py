@@ -24,7 +24,7 @@ import hashlib
 import json
 import re
 import statistics
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from enum import StrEnum
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -139,6 +139,15 @@ to another (``default`` and ``misa-t`` while MISA-T is the default) runs once (s
 
 DEFAULT_POLICIES: tuple[str, ...] = (DEFAULT_POLICY, "misa-t-sqrt", "misa", "session-admission")
 """The variants the full suite runs."""
+
+
+def default_variant(names: Iterable[str]) -> str | None:
+    """The name under which ``names`` runs the default policy: ``default`` itself, else a variant
+    with the same settings (``misa-t`` while MISA-T is the default); None when none does."""
+    listed = list(names)
+    if DEFAULT_POLICY in listed:
+        return DEFAULT_POLICY
+    return next((n for n in listed if POLICY_VARIANTS.get(n) == POLICY_VARIANTS[DEFAULT_POLICY]), None)
 
 
 class WorkloadName(StrEnum):

@@ -80,3 +80,11 @@ def test_each_goal_can_fail_on_its_own_figure() -> None:
 
 def test_goals_without_the_policy_are_not_evaluated() -> None:
     assert all(v is None for v in _goals([]).values())
+
+
+def test_the_goals_are_the_default_policys_under_whichever_name_it_ran() -> None:
+    from misat_bench.suite import DEFAULT_POLICY, default_variant
+
+    assert default_variant(["misa", DEFAULT_POLICY, "misa-t"]) == DEFAULT_POLICY
+    assert default_variant(["misa", "misa-t", "misa-t-sqrt"]) == "misa-t"  # MISA-T is the default
+    assert default_variant(["misa", "misa-t-sqrt"]) is None
