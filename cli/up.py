@@ -114,8 +114,9 @@ async def serve(args: argparse.Namespace, console: Console) -> None:
             console.print(f"[bold yellow]warning:[/] engine {line}", highlight=False, soft_wrap=True)
         if pool.shard_urls:
             console.print(f"{len(pool.shard_urls)} router shards behind haproxy: {', '.join(pool.shard_urls)} "
-                          "(admin calls go to each shard; the proxy refuses them)", highlight=False)
-        for line in admin_token_lines(pool.admin_urls[0], pool.admin_token, args.admin_token_file):
+                          "(an admin call through the proxy is applied by every live shard; `misat status` "
+                          "shows the whole pool)", highlight=False)
+        for line in admin_token_lines(pool.router_url, pool.admin_token, args.admin_token_file):
             console.print(line, highlight=False, soft_wrap=True)
         console.print(f"Watching {args.filename} for admission changes. Ctrl-C stops everything.")
         tasks = [asyncio.create_task(watch_manifest(pool, args.filename, console.print))]
