@@ -246,7 +246,7 @@ async def test_a_pool_status_names_a_live_peer_that_did_not_answer(engines: list
         pool = await pool_view(server.url)
         assert pool["ready"] is False
         assert pool["shards"]["1"] == "ok" and pool["shards"]["0"].startswith("answered 404")
-        assert sorted(e["id"] for e in pool["engines"]) == [urls[1], urls[3]]
+        assert sorted(e["id"] for e in pool["engines"]) == sorted([urls[1], urls[3]])
         state.peer_checked(0, False, "refused")
         state.peer_checked(0, False, "refused")  # down: its engines are this shard's now
         pool = await pool_view(server.url)
