@@ -22,7 +22,6 @@ from pydantic import ValidationError
 from .errors import InvalidRequest
 from .metrics import CONTENT_TYPE
 from .shard_status import ShardReading, combine_shards
-from .sharding import SHARD_DOWN
 from .state import STATE, RouterState
 from .status import RouterStatus
 
@@ -77,18 +76,14 @@ async def pool_status(s: RouterState) -> dict[str, Any]:
     answer (then the view lacks its engines and sessions, and ``ready`` is false)."""
     assert s.peers is not None and s.config.shards is not None and s.shard_index is not None
     urls = s.config.shards.peer_urls()
-    live = s.peers.live()
-    targets = [i for i in s.peers.peers() if i in live and i < len(urls)]
     readings = [ShardReading(s.shard_index, urls[s.shard_index], s.status()),
-                *await asyncio.gather(*(_peer_status(s, i, urls[i]) for i in targets))]
+                *await asyncio.gather(*(_peer_status(s, i, urls[i]) for i in s.peers.live_peers()))]
     readings.sort(key=lambda r: r.index)
     combined = combine_shards(readings)
     assert combined is not None  # this shard's own reading is always there
-    detail = {str(r.index): "ok" if r.status is not None else (r.error or "no answer") for r in readings}
-    for i in s.peers.peers():
-        detail.setdefault(str(i), SHARD_DOWN)
     body = combined.model_dump(mode="json")
-    body["shards"] = dict(sorted(detail.items(), key=lambda kv: int(kv[0])))
+    body["shards"] = s.peers.detail(
+        {r.index: "ok" if r.status is not None else (r.error or "no answer") for r in readings})
     return body
 
 

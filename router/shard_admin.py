@@ -34,7 +34,6 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from .sharding import SHARD_DOWN
 from .state import STATE, RouterState
 
 FANOUT_HEADER = "X-Misat-Fanout"
@@ -133,8 +132,7 @@ def fans_out(
             authorize(request)
             body = await read_body(request)
             urls = shards.peer_urls()
-            live = peers.live()
-            targets = [i for i in peers.peers() if i in live and i < len(urls)]
+            targets = peers.live_peers()
             # At once on every shard (a pause should start everywhere together); a call this shard
             # refuses (invalid) is refused as such, whatever the peers said (they refuse it too).
             local, *remote = await asyncio.gather(
@@ -144,7 +142,7 @@ def fans_out(
                 raise local
             assert isinstance(local, web.Response) and local.body is not None
             mine = json.loads(local.body)  # type: ignore[arg-type]
-            detail: dict[str, str] = {str(state.shard_index): "ok"}
+            detail: dict[int, str] = {peers.index: "ok"}
             answers = [mine]
             failed: list[str] = []
             for i, outcome in zip(targets, remote, strict=True):
@@ -152,15 +150,13 @@ def fans_out(
                     raise outcome  # not a transport failure (those are answers): a bug
                 status, answer = outcome
                 why = _failure(status, answer)
-                detail[str(i)] = why or "ok"
+                detail[i] = why or "ok"
                 if why is None:
                     answers.append(answer)
                 else:
                     failed.append(f"shard {i} {why}")
-            for i in peers.peers():
-                detail.setdefault(str(i), SHARD_DOWN)
             merged = merge(answers)
-            merged["shards"] = dict(sorted(detail.items(), key=lambda kv: int(kv[0])))
+            merged["shards"] = peers.detail(detail)
             if failed:
                 merged["error"] = {
                     "message": "applied by the other shards, not by: " + "; ".join(failed)

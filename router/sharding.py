@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 _ORDINAL = re.compile(r"-(\d+)$")
@@ -63,6 +63,10 @@ def index_from_hostname(hostname: str) -> int | None:
     """A StatefulSet pod's ordinal from its hostname (``pool-router-2`` -> 2), or None."""
     match = _ORDINAL.search(hostname.split(".", 1)[0])
     return int(match.group(1)) if match else None
+
+
+SHARD_DOWN = "down (its engines are taken over by the live shards)"
+"""How a pool-wide answer (admin fan-out, ``/status?scope=pool``) describes a shard its peers see down."""
 
 
 @dataclass(slots=True)
@@ -113,13 +117,19 @@ class PeerLiveness:
     def peers(self) -> list[int]:
         return sorted(self._peers)
 
+    def live_peers(self) -> list[int]:
+        """The peers seen live, in index order: the shards a pool-wide call is sent on to."""
+        return [i for i, p in sorted(self._peers.items()) if p.live]
+
+    def detail(self, answered: Mapping[int, str]) -> dict[str, str]:
+        """A pool-wide answer's ``shards``: per shard index in order (as JSON keys), what the shards
+        that were asked said, and ``SHARD_DOWN`` for the peers that were not."""
+        return {str(i): answered.get(i, SHARD_DOWN) for i in sorted({*answered, *self._peers})}
+
     def last_error(self, peer: int) -> str | None:
         st = self._peers.get(peer)
         return st.last_error if st else None
 
-
-SHARD_DOWN = "down (its engines are taken over by the live shards)"
-"""How a pool-wide answer (admin fan-out, ``/status?scope=pool``) describes a shard its peers see down."""
 
 SHARD_HEADER = "X-Misat-Shard"
 """Response header naming the shard that answered (its index), on every answer of a shard."""

@@ -19,6 +19,7 @@ from misat_router.config import ConfigError, RouterConfig
 from misat_router.errors import ConfigRejected
 from misat_router.service import start_service
 from misat_router.sharding import (
+    SHARD_DOWN,
     SHARD_HEADER,
     PeerLiveness,
     engine_owner,
@@ -99,6 +100,14 @@ def test_peer_liveness_needs_consecutive_results() -> None:
     assert peers.record(1, True, down_after=2, up_after=2)
     assert peers.live() == {0, 1, 2}
     assert not peers.record(0, False, down_after=1, up_after=1)  # itself is not a peer
+
+
+def test_a_pool_wide_answer_asks_the_live_peers_and_names_the_rest_down() -> None:
+    peers = PeerLiveness(4, 1)
+    peers.record(2, False, down_after=1, up_after=1, error="refused")
+    assert peers.live_peers() == [0, 3]
+    assert peers.detail({1: "ok", 3: "unreachable: refused", 0: "ok"}) == {
+        "0": "ok", "1": "ok", "2": SHARD_DOWN, "3": "unreachable: refused"}
 
 
 # ---- one router app as a shard --------------------------------------------------------------
