@@ -11,6 +11,11 @@ fresh engines behind a fresh router process, driven by the trainer emulator:
    cached sweep when one matches, else run; the demo says which);
 3. the same baseline at the high ceiling: what a wrong limit costs.
 
+``--kv-factor F`` gives the engines F times the profile's KV (another GPU or
+model: the benchmark's kv-half and kv-double cells) and adds a fourth row, the
+baseline at the ceiling tuned for the manifest's own fleet (``tuned-once``): a
+limit someone tuned and nobody re-tuned when the fleet changed.
+
 The baseline is the real ``vllm-router`` binary when installed (the
 ``bench`` extra, which ``make demo`` installs); otherwise this project's
 re-implementation of its ``cache_aware``, and the demo says so.
@@ -38,6 +43,7 @@ from rich.console import Console
 from rich.table import Table
 
 from misat_bench.demo_report import (
+    CONVERGENCE,
     DemoReport,
     Row,
     RowSpec,
@@ -45,6 +51,7 @@ from misat_bench.demo_report import (
     SeriesSample,
     build_report,
     table_rows,
+    window_converged,
 )
 from misat_bench.http_layer import RouterStartError, find_vllm_router, router_process, vllm_router_command
 from misat_bench.suite import pick_oracle
@@ -104,6 +111,9 @@ class DemoSettings(BaseModel):
         "rule (at least 5x the longest class's median residency, RLVR's ~95 s here; docs/benchmark.md), "
         "since admission policies' estimators are still filling before it")
     high_ceiling: int = Field(512, ge=1, description="the trainer ceiling of the untuned and high rows")
+    kv_factor: float = Field(
+        1.0, gt=0, description="the engines' KV blocks times this (the benchmark's kv-half is 0.5, kv-double 2); "
+        "other than 1 adds the tuned-once row: the ceiling tuned for the fleet at 1, unchanged")
     tune_ceilings: tuple[int, ...] = Field((64, 96, 128, 160, 192, 256, 384),
                                            description="the cluster sweep for the tuned ceiling")
     tune_step: int = Field(8, ge=1, description="the sweep is refined around its best point to this step")
@@ -136,6 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"simulated engines run this many times faster than real time (default {d.time_scale:g})")
     ap.add_argument("--high-ceiling", type=int, default=d.high_ceiling,
                     help=f"trainer ceiling of the untuned row and the high baseline row (default {d.high_ceiling})")
+    ap.add_argument("--kv-factor", type=float, default=d.kv_factor,
+                    help="engines with this many times the profile's KV blocks, and a tuned-once row: the "
+                    f"baseline at the ceiling tuned for the fleet at 1 (default {d.kv_factor:g})")
     ap.add_argument("--profile", default=d.profile, help=f"simulation profile of the engines (default {d.profile})")
     ap.add_argument("--seed", type=int, default=d.seed, help=f"workload seed (default {d.seed})")
     ap.add_argument("--repeat", type=int, default=d.repeat,
@@ -148,7 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
 def settings_from_args(args: argparse.Namespace) -> DemoSettings:
     base = DemoSettings.model_validate(QUICK if args.quick else {})
     update: dict[str, Any] = {"manifest": args.filename, "time_scale": args.time_scale, "engines": args.engines,
-                              "high_ceiling": args.high_ceiling, "profile": args.profile, "seed": args.seed,
+                              "high_ceiling": args.high_ceiling, "kv_factor": args.kv_factor,
+                              "profile": args.profile, "seed": args.seed,
                               "repeat": args.repeat, "retune": args.retune, "out": args.out}
     if args.duration is not None:
         update["duration_s"] = args.duration
@@ -181,17 +195,24 @@ def workload_spec(spec: RolloutPoolSpec, seed: int, length_scale: float) -> Work
     return WorkloadSpec(seed=seed, mixture=mixture, session_prefix=f"demo{seed}", length_scale=length_scale)
 
 
-def engine_config(spec: RolloutPoolSpec, profile: str) -> SimEngineConfig:
-    """The simulated engines as ``misat up`` starts them for this manifest (engine i: seed i)."""
+def engine_config(spec: RolloutPoolSpec, profile: str, kv_factor: float = 1.0) -> SimEngineConfig:
+    """The simulated engines as ``misat up`` starts them for this manifest (engine i: seed i), with
+    ``kv_factor`` times the profile's KV blocks."""
     extra: dict[str, Any] = {}
     if spec.engines.max_num_seqs is not None:
         extra["max_num_seqs"] = spec.engines.max_num_seqs
     if spec.engines.max_num_batched_tokens is not None:
         extra["max_num_batched_tokens"] = spec.engines.max_num_batched_tokens
     try:
-        return SimEngineConfig(profile=profile, **extra)
+        cfg = SimEngineConfig(profile=profile, **extra)
+        if kv_factor != 1.0:
+            blocks = max(2, round(cfg.resolve().num_gpu_blocks * kv_factor))
+            cfg = SimEngineConfig(profile=profile, num_gpu_blocks=blocks, **extra)
+            cfg.resolve()  # a KV too small for the model's length is refused here, by name
+        return cfg
     except ValueError as exc:
-        raise PoolError(f"simulation profile {profile!r}: {exc}") from None
+        flag = f" with --kv-factor {kv_factor:g}" if kv_factor != 1.0 else ""
+        raise PoolError(f"simulation profile {profile!r}{flag}: {exc}") from None
 
 
 # --- tuning ------------------------------------------------------------------------------
@@ -222,7 +243,7 @@ def _source_digest() -> str:
 
 
 def tuning_config(s: DemoSettings, spec: RolloutPoolSpec, ceiling: int) -> ClusterConfig:
-    eng = engine_config(spec, s.profile)
+    eng = engine_config(spec, s.profile, s.kv_factor)
     return ClusterConfig(engines=spec.engines.replicas, engine=eng, ceiling=ceiling,
                          policy=PolicySettings(name=PolicyName.CACHE_AWARE),
                          workload=workload_spec(spec, s.seed, eng.resolve().length_scale),
@@ -248,12 +269,18 @@ def _read_sweeps(path: Path) -> dict[str, Any]:
 
 def refinements(sweep: dict[int, float], step: int) -> list[int]:
     """Ceilings that narrow the gap around the sweep's best point to ``step``: bisect towards
-    each neighbour of the current best until both gaps are at most ``step``. Mutates nothing;
-    called again after each batch is measured, so it returns one batch at a time."""
+    each neighbour of the current best until both gaps are at most ``step``. A best point at an
+    end of the grid is not bracketed, so the sweep first goes past it: half the lowest ceiling
+    (down to ``step``), twice the highest. Mutates nothing; called again after each batch is
+    measured, so it returns one batch at a time."""
     best = pick_oracle(sweep)
     grid = sorted(sweep)
     i = grid.index(best)
     out = []
+    if i == 0 and best > step:
+        out.append(max(step, best // 2))
+    if i == len(grid) - 1:
+        out.append(best * 2)
     for j in (i - 1, i + 1):
         if 0 <= j < len(grid) and abs(grid[j] - best) > step:
             out.append((grid[j] + best) // 2)
@@ -326,6 +353,11 @@ def warnings(report: DemoReport, time_scale: float) -> list[str]:
             if row.router_saturated(run):
                 out.append(f"{row.spec.label} (seed {run.seed}): this router's process used {run.router_cpu:.2f} of a "
                            "core: its event loop, not the policy, set the pace; lower --time-scale")
+            if run.converged is False:
+                out.append(f"{row.spec.label} (seed {run.seed}): its measured window did not converge (a class's "
+                           f"completions over the last {CONVERGENCE.convergence_windows} windows of "
+                           f"{CONVERGENCE.window_s:g} modelled s disagree between the early and late half): it may "
+                           "still hold a transient; a longer --warmup or --duration measures past it")
             if run.trainer_lag_s is not None and run.trainer_lag_s * time_scale > TRAINER_LAG_WARN_S:
                 out.append(f"{row.spec.label} (seed {run.seed}): the trainer's process lagged "
                            f"{1000 * run.trainer_lag_s:.0f} ms on average ({run.trainer_lag_s * time_scale:.2f} "
@@ -422,19 +454,21 @@ def figures(seed: int, s: DemoSettings, warm: TrainerReport, end: TrainerReport,
         consumed_pct={k: round(100 * v / sum(done.values()), 2) if sum(done.values()) else 0.0
                       for k, v in done.items()},
         keep_up=keep_up, errors=end.errors, wall_s=round(wall_s, 1), series=series,
+        converged=window_converged(series, window_s),
     )
 
 
 async def run_row(row: RowSpec, s: DemoSettings, seed: int, console: Console) -> RunFigures:
     """One run of one row on fresh engines behind a fresh router process."""
     name, spec = load_pool(s)
-    eng = engine_config(spec, s.profile)
+    eng = engine_config(spec, s.profile, s.kv_factor)
     length_scale = eng.resolve().length_scale
     log_dir = s.out / "logs" / f"{row.role}-seed{seed}"
     log_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     engines = await start_sim_engines(spec, profile=s.profile, time_scale=s.time_scale, host="127.0.0.1",
-                                      log_dir=log_dir)
+                                      log_dir=log_dir,
+                                      num_gpu_blocks=eng.num_gpu_blocks if s.kv_factor != 1.0 else None)
     try:
         urls = [e.url for e in engines]
         port = free_port()
@@ -504,8 +538,9 @@ async def run_row(row: RowSpec, s: DemoSettings, seed: int, console: Console) ->
         stop_engines(engines)
 
 
-def row_specs(s: DemoSettings, policy: str, tuned: int, binary: bool) -> list[RowSpec]:
-    """The three rows; ``policy`` is the one this router runs for the manifest."""
+def row_specs(s: DemoSettings, policy: str, tuned: int, binary: bool, tuned_once: int | None = None) -> list[RowSpec]:
+    """The three rows, and the tuned-once row when ``tuned_once`` is given; ``policy`` is the one this
+    router runs for the manifest."""
     base_router: Literal["misat", "vllm-router"] = "vllm-router" if binary else "misat"
     base_label = "vLLM Router cache_aware" if binary else "cache_aware (this project's re-implementation)"
     return [
@@ -515,7 +550,10 @@ def row_specs(s: DemoSettings, policy: str, tuned: int, binary: bool) -> list[Ro
                 ceiling=tuned),
         RowSpec(role="high", label=f"{base_label} @ high {s.high_ceiling}", router=base_router,
                 policy="cache_aware", ceiling=s.high_ceiling),
-    ]
+    ] + ([] if tuned_once is None else [
+        RowSpec(role="tuned-once", label=f"{base_label} @ tuned-once {tuned_once}", router=base_router,
+                policy="cache_aware", ceiling=tuned_once),
+    ])
 
 
 async def demo(s: DemoSettings, console: Console) -> DemoReport:
@@ -529,14 +567,22 @@ async def demo(s: DemoSettings, console: Console) -> DemoReport:
     console.print(f"baseline: {baseline}")
     tuning = tune(s, spec, console)
     console.print(f"tuned ceiling {tuning.ceiling}: {tuning.source}")
-    rows = [Row(spec=r) for r in row_specs(s, policy, tuning.ceiling, binary)]
+    tuned_once: Tuning | None = None
+    if s.kv_factor != 1.0:
+        tuned_once = tune(s.model_copy(update={"kv_factor": 1.0}), spec, console)
+        console.print(f"tuned-once ceiling {tuned_once.ceiling} (tuned for the fleet at --kv-factor 1): "
+                      f"{tuned_once.source}")
+    rows = [Row(spec=r) for r in row_specs(s, policy, tuning.ceiling, binary,
+                                           None if tuned_once is None else tuned_once.ceiling)]
     for k in range(s.repeat):
         for row in rows:
             console.print(f"[bold]{row.spec.label}[/] (trainer ceiling {row.spec.ceiling}, seed {s.seed + k}, "
                           f"{s.duration_s:g} modelled s at x{s.time_scale:g}, first {s.warmup_s:g} s not counted)")
             row.runs.append(await run_row(row.spec, s, s.seed + k, console))
+    once = "" if tuned_once is None else (f"; tuned-once: ceiling {tuned_once.ceiling} of {tuned_once.sweep} "
+                                          f"(the fleet at --kv-factor 1): {tuned_once.source}")
     return build_report(rows, baseline=baseline, target_pct={w.name: w.share for w in spec.workloads},
-                        tuning=f"ceiling {tuning.ceiling} of {tuning.sweep}: {tuning.source}")
+                        tuning=f"ceiling {tuning.ceiling} of {tuning.sweep}: {tuning.source}{once}")
 
 
 def render_table(report: DemoReport) -> Table:

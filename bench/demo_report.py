@@ -10,7 +10,10 @@ The rows, on the same seeded workload and the same simulated fleet:
   ceiling: nobody tuned anything;
 - ``tuned``: the vLLM Router's ``cache_aware`` at the trainer ceiling a sweep
   found best for this fleet and workload (the yardstick, ratio 1.00);
-- ``high``: the same baseline at the high ceiling: what a wrong limit costs.
+- ``high``: the same baseline at the high ceiling: what a wrong limit costs;
+- ``tuned-once`` (only on a fleet with another KV size, ``--kv-factor``): the
+  baseline at the ceiling tuned for the manifest's own fleet, unchanged: a limit
+  nobody re-tuned when the fleet changed.
 
 The headline is the mixture-constrained sample rate (``min_b completed_b /
 share_b`` per minute, ``misat_sim.report.mixture_constrained_rate``): what a
@@ -20,14 +23,17 @@ trainer that fills batches at its target mixture actually gets.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import pairwise
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from misat_bench.stats import Interval, mean_interval
+from misat_bench.steady_state import SteadyStateSettings, converged
 
-Role = Literal["untuned", "tuned", "high"]
+Role = Literal["untuned", "tuned", "high", "tuned-once"]
 ROLES: tuple[Role, ...] = ("untuned", "tuned", "high")
+"""The rows every report has (``tuned-once`` is optional)."""
 
 KEEP_UP_COMPARABLE: float = 0.9
 """A run with an engine under this keep-up is not a comparison (the engines ran slower than modelled)."""
@@ -46,6 +52,11 @@ saying so: its units/min then overstates what a trainer at that mixture receives
 
 HIT_COLLAPSE_POINTS: float = 10.0
 """The high-ceiling baseline's prefix hit this many points under the tuned one reads as a collapse."""
+
+CONVERGENCE: SteadyStateSettings = SteadyStateSettings()
+"""The benchmark's convergence rule, applied to each run's measured window: windows of ``window_s``
+modelled seconds, and over the last ``convergence_windows`` of them every class's completions in
+the early and the late half agree (docs/benchmark.md, "Steady-state windows")."""
 
 
 class SeriesSample(BaseModel):
@@ -83,10 +94,34 @@ class RunFigures(BaseModel):
                                      "window (1.0: one core busy all the time)")
     series: list[SeriesSample] = Field(default_factory=list)
     router_status: dict[str, Any] | None = Field(None, description="this router's /status at the end")
+    converged: bool | None = Field(None, description="the measured window passes the benchmark's convergence "
+                                   "rule (CONVERGENCE); None without a time series")
 
     @property
     def engines_kept_up(self) -> bool:
         return all(k is None or k >= KEEP_UP_COMPARABLE for k in self.keep_up)
+
+
+
+def window_counts(series: Sequence[SeriesSample], start_s: float, window_s: float) -> list[dict[str, int]]:
+    """Completions per class in consecutive windows of ``window_s`` modelled seconds from ``start_s``,
+    each cut at the first sample at or after its boundary (samples come about a second apart)."""
+    marks: list[SeriesSample] = []
+    boundary = start_s
+    for p in series:
+        if p.t_s >= boundary - 1e-9:
+            marks.append(p)
+            boundary = p.t_s + window_s
+    return [{c: n - a.units_by_class.get(c, 0) for c, n in b.units_by_class.items()}
+            for a, b in pairwise(marks)]
+
+
+def window_converged(series: Sequence[SeriesSample], window_s: float) -> bool | None:
+    """Whether the last ``window_s`` modelled seconds of ``series`` pass ``CONVERGENCE``; None when empty."""
+    if not series:
+        return None
+    windows = window_counts(series, series[-1].t_s - window_s, CONVERGENCE.window_s)
+    return converged(windows, sorted(series[-1].units_by_class), CONVERGENCE)
 
 
 class RowSpec(BaseModel):
@@ -161,12 +196,18 @@ class DemoReport(BaseModel):
     def row(self, role: Role) -> Row:
         return next(r for r in self.rows if r.spec.role == role)
 
+    def find(self, role: Role) -> Row | None:
+        return next((r for r in self.rows if r.spec.role == role), None)
+
 
 def build_report(rows: Sequence[Row], *, baseline: str, tuning: str, target_pct: dict[str, float]) -> DemoReport:
     """Ratios to the tuned row and the verdict."""
     report = DemoReport(rows=list(rows), baseline=baseline, tuning=tuning, target_pct=target_pct)
     tuned = report.row("tuned")
     report.ratios = {r.spec.role: ratio_to_tuned(r, tuned) for r in report.rows}
+    once = report.find("tuned-once")
+    if once is not None:
+        report.ratios["untuned/tuned-once"] = ratio_to_tuned(report.row("untuned"), once)
     report.verdict = verdict(report)
     return report
 
@@ -224,6 +265,15 @@ def verdict(report: DemoReport) -> list[str]:
             out.append(f"At the high ceiling ({high.spec.ceiling}) the same baseline gets {hx} of its tuned "
                        f"rate (prefix hit {_pct(high.mean('prefix_hit_rate'))}): on this fleet a wrong limit "
                        "costs little.")
+    once = report.find("tuned-once")
+    once_ratio, against_once = report.ratios.get("tuned-once"), report.ratios.get("untuned/tuned-once")
+    if once is not None and once_ratio is not None and once_ratio.interval is not None \
+            and against_once is not None and against_once.interval is not None:
+        out.append(f"The limit tuned for the standard fleet and left unchanged ({once.spec.label}) gets "
+                   f"{once_ratio.interval.describe()} of this fleet's tuned rate (prefix hit "
+                   f"{_pct(once.mean('prefix_hit_rate'))}, {once.mean('preemptions') or 0:.0f} preemptions); "
+                   f"this router untuned gets {against_once.interval.describe()} of that limit's rate "
+                   f"({against_once.reading}).")
     return out
 
 

@@ -461,7 +461,9 @@ def refine_ceilings(points: Mapping[int, float], rounds_left: int = 1) -> list[i
 
     ``points`` maps ceiling -> rate. Midpoints are rounded to ``CEILING_ROUNDING``; ones
     already swept (or equal to a neighbour) are skipped, so refinement stops by itself once
-    the grid around the best point is as fine as that.
+    the grid around the best point is as fine as that. A best point at an end of the grid is
+    not bracketed: the sweep first goes past it (half the lowest ceiling, rounded, down to
+    ``CEILING_ROUNDING``; twice the highest).
     """
     if rounds_left <= 0 or not points:
         return []
@@ -469,6 +471,12 @@ def refine_ceilings(points: Mapping[int, float], rounds_left: int = 1) -> list[i
     best = pick_oracle(points)
     i = grid.index(best)
     out: list[int] = []
+    if i == 0 and best > CEILING_ROUNDING:
+        below = max(CEILING_ROUNDING, best // 2 // CEILING_ROUNDING * CEILING_ROUNDING)
+        if below not in points:
+            out.append(below)
+    if i == len(grid) - 1:
+        out.append(best * 2)
     for j in (i - 1, i + 1):
         if 0 <= j < len(grid):
             mid = round((grid[j] + best) / 2 / CEILING_ROUNDING) * CEILING_ROUNDING

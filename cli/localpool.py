@@ -169,9 +169,12 @@ async def _wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout_s: floa
 
 
 async def start_sim_engines(
-    spec: RolloutPoolSpec, *, profile: str, time_scale: float, host: str, log_dir: Path | None
+    spec: RolloutPoolSpec, *, profile: str, time_scale: float, host: str, log_dir: Path | None,
+    num_gpu_blocks: int | None = None,
 ) -> list[SimEngineProcess]:
-    """One ``misat sim-engine`` process per engine replica, healthy before return."""
+    """One ``misat sim-engine`` process per engine replica, healthy before return.
+
+    ``num_gpu_blocks``: KV blocks per engine instead of the profile's (another GPU or model)."""
     engines: list[SimEngineProcess] = []
     try:
         for i in range(spec.engines.replicas):
@@ -183,6 +186,8 @@ async def start_sim_engines(
                 cmd += ["--max-num-seqs", str(spec.engines.max_num_seqs)]
             if spec.engines.max_num_batched_tokens is not None:
                 cmd += ["--max-num-batched-tokens", str(spec.engines.max_num_batched_tokens)]
+            if num_gpu_blocks is not None:
+                cmd += ["--num-gpu-blocks", str(num_gpu_blocks)]
             log = log_dir / f"engine-{i}.log" if log_dir is not None else None
             engines.append(SimEngineProcess(f"http://{host}:{port}", start_process(cmd, log_path=log)))
         await asyncio.gather(*(_wait_healthy(e.url, e.proc, ENGINE_START_TIMEOUT_S) for e in engines))

@@ -174,7 +174,11 @@ def test_oracle_picks_the_best_point_and_refines_around_it() -> None:
     assert pick_oracle(points) == 128
     assert pick_oracle({64: 5.0, 128: 5.0}) == 64  # ties: the lower ceiling
     assert refine_ceilings(points) == [96, 192]
-    assert refine_ceilings({8: 1.0, 16: 2.0}) == []  # already as fine as the rounding
+    assert refine_ceilings({8: 1.0, 16: 2.0, 24: 1.5}) == []  # already as fine as the rounding
+    # A best point at an end of the grid is not bracketed: the sweep goes past it first.
+    assert refine_ceilings({96: 3.0, 128: 2.0, 512: 1.0}) == [48, 112]
+    assert refine_ceilings({8: 3.0, 16: 2.0}) == []  # as low as the rounding goes
+    assert refine_ceilings({96: 1.0, 512: 2.0}) == [1024, 304]
     assert refine_ceilings(points, rounds_left=0) == []
 
 

@@ -5,34 +5,51 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from rich.console import Console
 
-from misat_bench.demo import DemoSettings, main, tune, tuning_key
+from misat_bench.demo import DemoSettings, engine_config, main, row_specs, tune, tuning_key
 from misat_cli.localpool import load_manifest
 from tests.support.manifests import one_engine_manifest
 
 
-def test_demo_runs_three_rows_side_by_side_and_writes_its_report(tmp_path: Path) -> None:
+def test_demo_runs_its_rows_side_by_side_and_writes_its_report(tmp_path: Path) -> None:
+    """With ``--kv-factor``: engines with half the KV, their own tuned ceiling, and the tuned-once row."""
     out = tmp_path / "out"
-    code = main(["-f", str(one_engine_manifest(tmp_path)), "--duration", "200", "--warmup", "50",
-                 "--time-scale", "25", "--engines", "1", "--high-ceiling", "48", "--out", str(out)])
+    manifest = one_engine_manifest(tmp_path)
+    code = main(["-f", str(manifest), "--duration", "200", "--warmup", "50", "--time-scale", "25",
+                 "--engines", "1", "--high-ceiling", "48", "--kv-factor", "0.5", "--out", str(out)])
     assert code == 0
     result = json.loads((out / "result.json").read_text())
     roles = [r["spec"]["role"] for r in result["rows"]]
-    assert roles == ["untuned", "tuned", "high"]
-    untuned, tuned, high = result["rows"]
-    # Names match what ran: the manifest's policy, the tuned ceiling the sweep picked.
+    assert roles == ["untuned", "tuned", "high", "tuned-once"]
+    untuned, tuned, high, once = result["rows"]
+    # Names match what ran: the manifest's policy, the tuned ceilings the sweeps picked.
     assert untuned["spec"]["policy"] == "misa-t" and "misa-t" in untuned["spec"]["label"]
-    sweep = json.loads((out / "tuning.json").read_text())
-    (entry,) = sweep.values()
-    assert tuned["spec"]["ceiling"] == entry["ceiling"] and high["spec"]["ceiling"] == 48
+    s = DemoSettings(manifest=manifest, engines=1, duration_s=200.0, warmup_s=50.0, out=out)
+    _, spec = load_manifest(manifest)
+    sweeps = json.loads((out / "tuning.json").read_text())
+    half, full = sweeps[tuning_key(s.model_copy(update={"kv_factor": 0.5}), spec)], sweeps[tuning_key(s, spec)]
+    assert tuned["spec"]["ceiling"] == half["ceiling"] and once["spec"]["ceiling"] == full["ceiling"]
+    assert high["spec"]["ceiling"] == 48
+    # The engines ran with half the profile's KV blocks (this router's /status reports what they export).
+    limits = engine_config(spec, s.profile).resolve()
+    (engine,) = untuned["runs"][0]["router_status"]["engines"]
+    assert engine["kv_capacity_tokens"] == round(limits.num_gpu_blocks * 0.5) * limits.block_size
     for row in result["rows"]:
         (r,) = row["runs"]
         assert r["errors"] == 0 and r["units_per_min"] > 0 and len(r["keep_up"]) == 1
-        assert r["series"] and r["series"][-1]["t_s"] > 10
-    assert result["ratios"]["tuned"]["interval"]["mean"] == 1.0
+        assert r["series"] and r["series"][-1]["t_s"] > 10 and r["converged"] is not None
+    assert result["ratios"]["tuned"]["interval"]["mean"] == 1.0 and "untuned/tuned-once" in result["ratios"]
     assert result["verdict"] and "baseline" in result
     assert (out / "demo.png").stat().st_size > 0
+
+
+def test_the_tuned_once_row_comes_only_with_its_ceiling() -> None:
+    s = DemoSettings()
+    assert [r.role for r in row_specs(s, "misa-t", 96, binary=True)] == ["untuned", "tuned", "high"]
+    rows = row_specs(s, "misa-t", 48, binary=True, tuned_once=96)
+    assert [(r.role, r.ceiling) for r in rows] == [("untuned", 512), ("tuned", 48), ("high", 512), ("tuned-once", 96)]
 
 
 def test_a_tuning_sweep_is_cached_by_what_it_depends_on(tmp_path: Path) -> None:
@@ -49,3 +66,19 @@ def test_a_tuning_sweep_is_cached_by_what_it_depends_on(tmp_path: Path) -> None:
     # Another fleet or window is another key: the cached sweep is not reused for it.
     assert tuning_key(s.model_copy(update={"duration_s": 60.0}), spec) != tuning_key(s, spec)
     assert tune(s.model_copy(update={"retune": True}), spec, console).source.startswith("swept now")
+
+
+def test_a_kv_factor_scales_the_engines_blocks_and_keys_its_own_sweep(tmp_path: Path) -> None:
+    from misat_cli.localpool import PoolError
+
+    manifest = one_engine_manifest(tmp_path)
+    _, spec = load_manifest(manifest)
+    profile = DemoSettings().profile
+    full = engine_config(spec, profile).resolve().num_gpu_blocks
+    assert engine_config(spec, profile, 0.5).resolve().num_gpu_blocks == round(full * 0.5)
+    assert engine_config(spec, profile, 2.0).resolve().num_gpu_blocks == round(full * 2.0)
+    s = DemoSettings(manifest=manifest, engines=1, out=tmp_path)
+    assert tuning_key(s.model_copy(update={"kv_factor": 0.5}), spec) != tuning_key(s, spec)
+    # A KV that cannot hold one sequence of the model's length is refused, naming the flag.
+    with pytest.raises(PoolError, match=r"--kv-factor 0\.0001"):
+        engine_config(spec, profile, 0.0001)

@@ -12,8 +12,11 @@ from misat_bench.demo_report import (
     Row,
     RowSpec,
     RunFigures,
+    SeriesSample,
     build_report,
     table_rows,
+    window_converged,
+    window_counts,
 )
 from misat_bench.stats import mean_interval, t_quantile
 from misat_sim.report import mixture_constrained_rate
@@ -149,7 +152,11 @@ def test_the_sweep_is_refined_around_its_best_point_to_the_step() -> None:
     assert refinements(sweep, 8) == [104, 120]
     sweep |= {104: 125.0, 120: 125.5}
     assert refinements(sweep, 8) == []  # both gaps are 8
-    assert refinements({64: 1.0}, 8) == []
+    # A best point at an end of the grid is not bracketed: the sweep goes past it first.
+    assert refinements({64: 3.0, 96: 2.0, 128: 1.0}, 8) == [32, 80]
+    assert refinements({64: 3.0, 96: 2.0, 32: 2.5}, 8) == [48, 80]
+    assert refinements({8: 3.0, 16: 2.0}, 8) == []  # the lowest is the step: as low as it goes
+    assert refinements({64: 1.0, 96: 2.0}, 8) == [192, 80]
 
 
 def test_verdict_explains_more_units_but_off_the_mixture() -> None:
@@ -162,3 +169,55 @@ def test_verdict_explains_more_units_but_off_the_mixture() -> None:
                             "fills batches at its mixture waits for the scarcest class.")
     # On the mixture: no such sentence.
     assert not any("off the trainer's mixture" in v for v in report([run(100)], [run(100)], [run(90)]).verdict)
+
+
+def test_a_tuned_once_row_is_judged_against_this_fleets_tuned_row_and_this_router_against_it() -> None:
+    once = Row(spec=RowSpec(role="tuned-once", label="vLLM Router cache_aware @ tuned-once 96",
+                            router="vllm-router", policy="cache_aware", ceiling=96),
+               runs=[run(70, hit=0.3, pre=40, seed=k) for k in range(2)])
+    r = build_report([*rows([run(98, seed=0), run(102, seed=1)], [run(100, seed=0), run(100, seed=1)],
+                            [run(60, seed=k) for k in range(2)]), once],
+                     baseline="the vllm-router binary", tuning="cached", target_pct=TARGET)
+    assert r.ratios["tuned-once"].interval is not None and r.ratios["tuned-once"].interval.mean == pytest.approx(0.7)
+    against = r.ratios["untuned/tuned-once"]
+    assert against.interval is not None and against.interval.mean == pytest.approx(1.0 / 0.7)
+    assert against.reading == "win"
+    assert r.verdict[-1].startswith("The limit tuned for the standard fleet and left unchanged "
+                                    "(vLLM Router cache_aware @ tuned-once 96) gets 0.70x")
+    assert "1.43x" in r.verdict[-1] and "(win)" in r.verdict[-1]
+    assert [c[0] for c in table_rows(r)[1:]] == ["untuned", "tuned", "high", "tuned-once"]
+    # Without the row: no such ratio and no such sentence.
+    plain = report([run(100)], [run(100)], [run(90)])
+    assert "untuned/tuned-once" not in plain.ratios and not any("left unchanged" in v for v in plain.verdict)
+
+
+def _series(per_window: list[dict[str, int]], window_s: float = 60.0, step_s: float = 6.0) -> list[SeriesSample]:
+    """Samples every ``step_s`` whose per-class completions grow evenly within each window."""
+    out, total, t = [], dict.fromkeys(per_window[0], 0), 0.0
+    for counts in per_window:
+        for i in range(int(window_s / step_s)):
+            done = {c: total[c] + counts[c] * i * step_s // window_s for c in counts}
+            out.append(SeriesSample(t_s=t, units=sum(done.values()), units_by_class=done, prompt_tokens=0,
+                                    cached_tokens=0))
+            t += step_s
+        total = {c: total[c] + counts[c] for c in counts}
+    out.append(SeriesSample(t_s=t, units=sum(total.values()), units_by_class=total, prompt_tokens=0, cached_tokens=0))
+    return out
+
+
+def test_a_measured_window_converges_when_the_late_half_agrees_with_the_early_half() -> None:
+    steady = _series([{"agentic": 200, "rlvr": 100}] * 6)
+    assert window_counts(steady, 0.0, 60.0) == [{"agentic": 200, "rlvr": 100}] * 6
+    assert window_converged(steady, 360.0) is True
+    # RLVR still climbing in the measured window (a start-up transient): 40 -> 160 per window.
+    rising = _series([{"agentic": 200, "rlvr": 40 + 24 * k} for k in range(6)])
+    assert window_converged(rising, 360.0) is False
+    assert window_converged([], 360.0) is None
+    # Too short a window for the rule's windows: not converged (the rule wants four).
+    assert window_converged(steady, 120.0) is False
+
+
+def test_a_run_that_did_not_converge_is_warned_about() -> None:
+    r = report([run(100).model_copy(update={"converged": False})], [run(100)], [run(90)])
+    assert any("did not converge" in w and "misa-t router" in w for w in warnings(r, time_scale=6.0))
+    assert not any("did not converge" in w for w in warnings(report([run(100)], [run(100)], [run(90)]), 6.0))
