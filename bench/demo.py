@@ -54,7 +54,7 @@ from misat_bench.demo_report import (
     window_converged,
 )
 from misat_bench.http_layer import RouterStartError, find_vllm_router, router_process, vllm_router_command
-from misat_bench.suite import pick_oracle
+from misat_bench.suite import pick_oracle, refine_ceilings
 from misat_cli.localpool import (
     PoolError,
     get_keep_up,
@@ -267,26 +267,6 @@ def _read_sweeps(path: Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-def refinements(sweep: dict[int, float], step: int) -> list[int]:
-    """Ceilings that narrow the gap around the sweep's best point to ``step``: bisect towards
-    each neighbour of the current best until both gaps are at most ``step``. A best point at an
-    end of the grid is not bracketed, so the sweep first goes past it: half the lowest ceiling
-    (down to ``step``), twice the highest. Mutates nothing; called again after each batch is
-    measured, so it returns one batch at a time."""
-    best = pick_oracle(sweep)
-    grid = sorted(sweep)
-    i = grid.index(best)
-    out = []
-    if i == 0 and best > step:
-        out.append(max(step, best // 2))
-    if i == len(grid) - 1:
-        out.append(best * 2)
-    for j in (i - 1, i + 1):
-        if 0 <= j < len(grid) and abs(grid[j] - best) > step:
-            out.append((grid[j] + best) // 2)
-    return [c for c in out if c not in sweep]
-
-
 def tune(s: DemoSettings, spec: RolloutPoolSpec, console: Console) -> Tuning:
     """The tuned ceiling: from a matching cached sweep, else a sweep on the cluster simulation."""
     key = tuning_key(s, spec)
@@ -311,7 +291,7 @@ def tune(s: DemoSettings, spec: RolloutPoolSpec, console: Console) -> Tuning:
 
     for c in s.tune_ceilings:
         measure(c)
-    while batch := refinements(sweep, s.tune_step):
+    while batch := refine_ceilings(sweep, step=s.tune_step):
         for c in batch:
             measure(c)
     t = Tuning(key=key, ceiling=pick_oracle(sweep), sweep=sweep,
@@ -467,8 +447,7 @@ async def run_row(row: RowSpec, s: DemoSettings, seed: int, console: Console) ->
     log_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     engines = await start_sim_engines(spec, profile=s.profile, time_scale=s.time_scale, host="127.0.0.1",
-                                      log_dir=log_dir,
-                                      num_gpu_blocks=eng.num_gpu_blocks if s.kv_factor != 1.0 else None)
+                                      log_dir=log_dir, num_gpu_blocks=eng.num_gpu_blocks)
     try:
         urls = [e.url for e in engines]
         port = free_port()

@@ -456,14 +456,16 @@ def sweep_run(cell: Cell, seed: int, ceiling: int) -> RunSpec:
     return _spec(cell, seed, Baseline.SWEEP, cache_aware(), ceiling, f"cache_aware @{ceiling}")
 
 
-def refine_ceilings(points: Mapping[int, float], rounds_left: int = 1) -> list[int]:
+def refine_ceilings(
+    points: Mapping[int, float], rounds_left: int = 1, step: int = CEILING_ROUNDING
+) -> list[int]:
     """Ceilings to add around the best sweep point: midpoints to its neighbours.
 
-    ``points`` maps ceiling -> rate. Midpoints are rounded to ``CEILING_ROUNDING``; ones
-    already swept (or equal to a neighbour) are skipped, so refinement stops by itself once
-    the grid around the best point is as fine as that. A best point at an end of the grid is
-    not bracketed: the sweep first goes past it (half the lowest ceiling, rounded, down to
-    ``CEILING_ROUNDING``; twice the highest).
+    ``points`` maps ceiling -> rate. Midpoints are rounded to ``step``; ones already swept (or
+    equal to a neighbour) are skipped, so refinement stops by itself once the grid around the
+    best point is as fine as that. A best point at an end of the grid is not bracketed: the
+    sweep first goes past it (half the lowest ceiling, rounded, down to ``step``; twice the
+    highest). Called again after each batch is measured (the suite's planner, the demo's tuning).
     """
     if rounds_left <= 0 or not points:
         return []
@@ -471,15 +473,15 @@ def refine_ceilings(points: Mapping[int, float], rounds_left: int = 1) -> list[i
     best = pick_oracle(points)
     i = grid.index(best)
     out: list[int] = []
-    if i == 0 and best > CEILING_ROUNDING:
-        below = max(CEILING_ROUNDING, best // 2 // CEILING_ROUNDING * CEILING_ROUNDING)
+    if i == 0 and best > step:
+        below = max(step, best // 2 // step * step)
         if below not in points:
             out.append(below)
     if i == len(grid) - 1:
         out.append(best * 2)
     for j in (i - 1, i + 1):
         if 0 <= j < len(grid):
-            mid = round((grid[j] + best) / 2 / CEILING_ROUNDING) * CEILING_ROUNDING
+            mid = round((grid[j] + best) / 2 / step) * step
             if mid not in points and mid not in out and min(grid[j], best) < mid < max(grid[j], best):
                 out.append(mid)
     return out

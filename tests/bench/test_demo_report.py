@@ -144,19 +144,19 @@ def test_table_and_warnings_show_keep_up_and_a_lagging_trainer() -> None:
 
 
 def test_the_sweep_is_refined_around_its_best_point_to_the_step() -> None:
-    from misat_bench.demo import refinements
+    from misat_bench.suite import refine_ceilings
 
     sweep = {64: 108.0, 96: 124.0, 128: 104.0}
-    assert refinements(sweep, 8) == [80, 112]
+    assert refine_ceilings(sweep, step=8) == [80, 112]
     sweep |= {80: 120.0, 112: 126.0}  # the best moves to 112: bisect 96..112 and 112..128
-    assert refinements(sweep, 8) == [104, 120]
+    assert refine_ceilings(sweep, step=8) == [104, 120]
     sweep |= {104: 125.0, 120: 125.5}
-    assert refinements(sweep, 8) == []  # both gaps are 8
+    assert refine_ceilings(sweep, step=8) == []  # both gaps are 8
     # A best point at an end of the grid is not bracketed: the sweep goes past it first.
-    assert refinements({64: 3.0, 96: 2.0, 128: 1.0}, 8) == [32, 80]
-    assert refinements({64: 3.0, 96: 2.0, 32: 2.5}, 8) == [48, 80]
-    assert refinements({8: 3.0, 16: 2.0}, 8) == []  # the lowest is the step: as low as it goes
-    assert refinements({64: 1.0, 96: 2.0}, 8) == [192, 80]
+    assert refine_ceilings({64: 3.0, 96: 2.0, 128: 1.0}, step=8) == [32, 80]
+    assert refine_ceilings({64: 3.0, 96: 2.0, 32: 2.5}, step=8) == [48, 80]
+    assert refine_ceilings({8: 3.0, 16: 2.0}, step=8) == []  # the lowest is the step: as low as it goes
+    assert refine_ceilings({64: 1.0, 96: 2.0}, step=8) == [192, 80]
 
 
 def test_verdict_explains_more_units_but_off_the_mixture() -> None:
