@@ -57,7 +57,13 @@ def allocate(
     return {b: fixed.get(b, 0.0) for b in weights}
 
 
+CAP_ROUNDING_SLACK = 1e-9
+"""Sessions a budget holds are rounded down, but a quotient this close below a whole number is
+that number: a budget bounded at what n sessions need comes back from fractions of the capacity
+as n * k_b less a rounding error, and must still hold n."""
+
+
 def class_session_cap(budget_tokens: float, footprint_tokens: float) -> int:
     """``K_b = max(1, floor(M_b / k_b))``: at least one session of every class may run."""
     # A session holds at least one token; smaller estimates are noise.
-    return max(1, math.floor(budget_tokens / max(footprint_tokens, 1.0)))
+    return max(1, math.floor(budget_tokens / max(footprint_tokens, 1.0) + CAP_ROUNDING_SLACK))

@@ -349,7 +349,10 @@ class MisaPolicy(Policy):
         reason = Reason.HOLD_SESSION_CAP
         if self.budgets_on:
             weights = self.class_weights(demand)
-            fast_budgets = not self._min_share and not self._max_share
+            # The inline split below is the demand basis without share bounds; anything else
+            # goes through class_budgets (the target basis and minKvShare / maxKvShare).
+            fast_budgets = (not self._min_share and not self._max_share
+                            and self.settings.budget_basis == "demand")
             held_share = 1.0 / len(healthy)
             held_r = sum(held * w for held, w in weights.values()) * held_share
             w_cls = weights[cls][1]
@@ -396,7 +399,7 @@ class MisaPolicy(Policy):
                     budget = capacity * budget_fraction * mine / total_r if total_r > 0 else 0.0
                 else:
                     budget = self.class_budgets(w, snap, weights, len(healthy))[cls]
-                if live_cls and live_cls + samples > max(1, int(budget / k_b_floor)):
+                if live_cls and live_cls + samples > class_session_cap(budget, k_b_floor):
                     reason = Reason.HOLD_CLASS_CAP
                     continue
             return Decision.place(w, Reason.NEW_SESSION, {"cost": cost, "hit_tokens": hit})

@@ -250,11 +250,12 @@ class PolicySettings(_Settings):
     """The policy and all of its knobs; the router config and RolloutPool carry this."""
 
     name: PolicyName = Field(
-        PolicyName.MISA_T,
+        PolicyName.SESSION_ADMISSION,
         description="misa-t, misa, session-admission (MISA-T and its ablations), cache-aware (the "
-        "vLLM Router's policy), least-loaded or round-robin. Default misa-t, chosen on benchmark v2 "
-        "by the rule in docs/policy.md (the highest worst-cell ratio to each cell's own oracle over "
-        "the whole matrix, mixture-constrained, mean over 3 seeds; the figures are there).",
+        "vLLM Router's policy), least-loaded or round-robin. Default session-admission (MISA-T's "
+        "adaptive session caps without its per-class KV budgets), chosen on benchmark v2 by the rule "
+        "in docs/policy.md (the highest worst-cell ratio to each cell's own oracle over the whole "
+        "matrix, mixture-constrained, mean over 3 seeds; the figures are there).",
     )
     budget_basis: Literal["demand", "target"] = Field(
         "demand",

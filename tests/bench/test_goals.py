@@ -86,5 +86,6 @@ def test_the_goals_are_the_default_policys_under_whichever_name_it_ran() -> None
     from misat_bench.suite import DEFAULT_POLICY, default_variant
 
     assert default_variant(["misa", DEFAULT_POLICY, "misa-t"]) == DEFAULT_POLICY
-    assert default_variant(["misa", "misa-t", "misa-t-sqrt"]) == "misa-t"  # MISA-T is the default
-    assert default_variant(["misa", "misa-t-sqrt"]) is None
+    # session-admission is the default: its runs are the default's under that name
+    assert default_variant(["misa", "session-admission", "misa-t"]) == "session-admission"
+    assert default_variant(["misa", "misa-t", "misa-t-sqrt"]) is None

@@ -8,7 +8,7 @@ from misat_router.policy.estimators import censored_percentile
 from misat_router.policy.settings import PolicyName, PolicySettings, ResidencySettings
 from misat_router.policy.types import Completion
 
-from .test_misa_scenarios import engines, fill, make_runner, teach
+from .test_misa_scenarios import engines, fill, make_runner, placed_count, teach
 
 
 def test_without_censored_observations_it_is_the_step_percentile() -> None:
@@ -110,3 +110,18 @@ def test_target_basis_caps_a_class_at_what_its_sessions_need_and_gives_the_rest_
 def test_target_basis_needs_misa_t() -> None:
     with pytest.raises(ValueError, match=r"budget_basis\n.*target weighs classes .* the policy is misa"):
         PolicySettings(name=PolicyName.MISA, budget_basis="target")
+
+
+@pytest.mark.parametrize(("basis", "placed"), [("demand", 30), ("target", 50)])
+def test_the_class_caps_a_decision_applies_follow_the_budget_basis(basis: str, placed: int) -> None:
+    # One engine of 100 sessions' KV, equal footprints and residencies, shares 50/50. Agentic has
+    # 10 live sessions and 60 held (no engine when they came), then 100 RLVR sessions ask. By demand
+    # agentic's backlog keeps RLVR to 30 (31 of 101 unfinished sessions is under 31 places); by
+    # target RLVR gets its 50% share (agentic wants more than its share, so it keeps its half).
+    runner = make_runner(PolicyName.MISA_T, budget_basis=basis, residency=ResidencySettings(min_samples=1))
+    teach(runner, "rlvr", 1000, duration=10.0)
+    teach(runner, "agentic", 1000, duration=10.0)
+    eng = engines(1, capacity=100_000)
+    fill(runner, "agentic", eng, 10)
+    assert placed_count(fill(runner, "agentic", {}, 60)) == 0
+    assert placed_count(fill(runner, "rlvr", eng, 100)) == placed

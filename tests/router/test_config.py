@@ -22,7 +22,7 @@ def test_minimal_yaml_gets_documented_defaults() -> None:
     cfg = parse_config(MINIMAL)
     assert cfg.generation == 0
     assert cfg.engines.static_urls() == ("http://e1:8000", "http://e2:8000")
-    assert cfg.policy.name.value == "misa-t"
+    assert cfg.policy.name.value == "session-admission"
     assert cfg.hold_deadline_s == 300.0 and cfg.max_placement_attempts == 3
     # Every field is documented (the docs table is generated from these).
     for name, field in RouterConfig.model_fields.items():

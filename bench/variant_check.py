@@ -1,0 +1,158 @@
+"""Policy variants on benchmark v2's matrix, against the oracle points that matrix found (not a test).
+
+Why: the whole suite (``misat bench``) sweeps every cell's oracle again, about
+five CPU-hours on the project's 2-core machine. Its sweeps are deterministic,
+so once they have run, judging another policy variant needs only that
+variant's runs and, per cell and seed, the one oracle ceiling the sweep
+chose: this tool re-runs that ceiling (and tuned-once's on the changing
+workloads) through the suite's own run function and cache keys, so a later
+``misat bench`` with the same ``--out`` reuses every run, and each oracle
+point can be checked against the published table.
+
+``python -P -m misat_bench.variant_check --policies session-admission,misa-t``
+prints, per cell, the mixture-constrained rate's paired ratio to the oracle
+and to tuned-once (mean and 95% interval over the seeds), prefix hit against
+the ideal, TV against the sampling noise, and the mean and worst cell: the
+inputs of the rule that picks the default (docs/policy.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from misat_bench.cluster_runs import RunCache, RunRecord, run_all
+from misat_bench.stats import Interval, paired_ratio, verdict
+from misat_bench.suite import (
+    CHANGING_WORKLOADS,
+    POLICY_VARIANTS,
+    Baseline,
+    BenchSettings,
+    Cell,
+    RunSpec,
+    _spec,
+    cache_aware,
+    sweep_run,
+)
+
+V2_ORACLE_CEILINGS: dict[str, tuple[int, ...]] = {
+    "steady@paper:4": (200, 192, 200),
+    "steady@agentic70:4": (184, 176, 176),
+    "steady@rlvr70:4": (440, 320, 240),
+    "steady@rlhf70:4": (288, 280, 288),
+    "steady@agentic10:4": (488, 272, 288),
+    "steady@rlvr10:4": (232, 240, 216),
+    "steady@rlhf10:4": (192, 224, 192),
+    "length-drift@paper:4": (288, 144, 176),
+    "mix-shift@paper:4": (160, 160, 176),
+    "iterations@paper:4": (224, 336, 224),
+    "kv-half@paper:4": (96, 104, 112),
+    "kv-double@paper:4": (408, 448, 416),
+}
+"""Each cell's oracle ceiling per seed (0, 1, 2) as benchmark v2 found it (docs/benchmark.md,
+"Results (v2)": the oracle rows' "each seed's best")."""
+V2_TUNED_ONCE_CEILING = 200
+"""tuned-once in v2: steady@paper:4's best ceiling on the mean over seeds."""
+
+
+def baseline_runs(s: BenchSettings, cells: list[Cell]) -> list[RunSpec]:
+    """The oracle point of every cell and seed, and tuned-once on the changing workloads."""
+    runs: list[RunSpec] = []
+    for cell in cells:
+        for seed, ceiling in zip(s.seeds, V2_ORACLE_CEILINGS[cell.id], strict=True):
+            runs.append(sweep_run(cell, seed, ceiling))
+            if cell.workload in CHANGING_WORKLOADS:
+                runs.append(_spec(cell, seed, Baseline.TUNED_ONCE, cache_aware(), V2_TUNED_ONCE_CEILING,
+                                  f"cache_aware @{V2_TUNED_ONCE_CEILING} (tuned-once)"))
+    return runs
+
+
+def variant_runs(s: BenchSettings, cells: list[Cell], policies: list[str]) -> list[RunSpec]:
+    """Each policy at the cell's high ceiling, as the suite runs it."""
+    return [_spec(cell, seed, Baseline.POLICY, POLICY_VARIANTS[p], s.high(cell.engines), f"{p} @{s.high(cell.engines)}",
+                  variant=p)
+            for cell in cells for seed in s.seeds for p in policies]
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def report(s: BenchSettings, cells: list[Cell], policies: list[str], records: dict[str, RunRecord]) -> str:
+    """The per-cell table and the rule's inputs, per policy, as markdown."""
+    def rates(specs: list[RunSpec]) -> dict[int, float]:
+        return {sp.seed_of(s): records[k].metrics.mixture_rate_per_min for sp in specs if (k := sp.key(s)) in records}
+
+    out: list[str] = []
+    for p in policies:
+        out += [f"### {p}", "",
+                "| cell | mix-rate/min | oracle | x oracle | x tuned-once | hit | ideal hit | TV pts | TV noise |",
+                "|---|---:|---:|---|---|---:|---:|---:|---:|"]
+        ratios: list[tuple[str, Interval]] = []
+        once_means: list[float] = []
+        for cell in cells:
+            base = baseline_runs(s, [cell])
+            mine_specs = variant_runs(s, [cell], [p])
+            mine = rates(mine_specs)
+            oracle = rates([b for b in base if b.baseline is Baseline.SWEEP])
+            once = rates([b for b in base if b.baseline is Baseline.TUNED_ONCE])
+            r = paired_ratio(mine, oracle)
+            if r is None or not mine:
+                out.append(f"| {cell.id} | not run | | | | | | | |")
+                continue
+            ratios.append((cell.id, r))
+            t = paired_ratio(mine, once) if once else None
+            if t is not None:
+                once_means.append(t.mean)
+            m = [records[sp.key(s)].metrics for sp in mine_specs if sp.key(s) in records]
+            out.append(
+                f"| {cell.id} | {_mean(list(mine.values())):.1f} | {_mean(list(oracle.values())):.1f} | "
+                f"{r.describe()} {verdict(r).value} | {t.describe() if t else '-'} | "
+                f"{100 * _mean([x.prefix_hit_rate for x in m]):.1f}% | "
+                f"{100 * _mean([x.ideal_prefix_hit_rate for x in m]):.1f}% | "
+                f"{_mean([x.tv_points for x in m]):.2f} | {_mean([x.tv_noise_points for x in m]):.2f} |")
+        if ratios:
+            worst = min(ratios, key=lambda x: x[1].mean)
+            line = (f"Mean over {len(ratios)} cells {_mean([r.mean for _, r in ratios]):.3f}x, "
+                    f"worst {worst[0]} {worst[1].mean:.3f}x")
+            if once_means:
+                line += f"; x tuned-once over the changing cells {_mean(once_means):.3f}x"
+            out += ["", line + "."]
+        out.append("")
+    return "\n".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--policies", default="session-admission,misa-t",
+                    help=f"variants, comma-separated (known: {', '.join(POLICY_VARIANTS)})")
+    ap.add_argument("--cells", default="", help="only these cell ids (default: the twelve of v2)")
+    ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=Path("out/variant-check"), help="run cache (the suite's format)")
+    args = ap.parse_args()
+    policies = [p for p in args.policies.split(",") if p]
+    unknown = [p for p in policies if p not in POLICY_VARIANTS]
+    if unknown:
+        ap.error(f"unknown policy {unknown[0]!r}; known: {', '.join(POLICY_VARIANTS)}")
+    s = BenchSettings(large_fleet_engines=())
+    cells = [c for c in s.cells() if c.id in V2_ORACLE_CEILINGS]
+    if args.cells:
+        wanted = args.cells.split(",")
+        missing = [c for c in wanted if c not in V2_ORACLE_CEILINGS]
+        if missing:
+            ap.error(f"no v2 oracle for cell {missing[0]!r}; known: {', '.join(V2_ORACLE_CEILINGS)}")
+        cells = [c for c in cells if c.id in wanted]
+
+    def done(rec: RunRecord, cached: bool) -> None:
+        print(f"{'cached' if cached else 'ran   '} {rec.spec.cell(s).id} seed {rec.spec.seed_of(s)} {rec.spec.label}: "
+              f"{rec.metrics.mixture_rate_per_min:.1f}/min ({rec.cpu_s:.0f} CPU-s)", flush=True)
+
+    specs = baseline_runs(s, cells) + variant_runs(s, cells, policies)
+    recs = run_all(specs, s, jobs=args.jobs, cache=RunCache(args.out / "cache"), on_done=done)
+    by_key = {r.key: r for r in recs}
+    print()
+    print(report(s, cells, policies, by_key))
+
+
+if __name__ == "__main__":
+    main()

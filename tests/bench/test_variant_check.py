@@ -1,0 +1,36 @@
+"""The variant check re-runs exactly the v2 matrix's oracle points, through the suite's own specs."""
+
+from __future__ import annotations
+
+from misat_bench.suite import Baseline, BenchSettings, sweep_run
+from misat_bench.variant_check import V2_ORACLE_CEILINGS, V2_TUNED_ONCE_CEILING, baseline_runs, variant_runs
+
+
+def test_every_cell_of_the_four_engine_matrix_has_an_oracle_ceiling_per_seed() -> None:
+    s = BenchSettings(large_fleet_engines=())
+    assert {c.id for c in s.cells()} == set(V2_ORACLE_CEILINGS)
+    assert all(len(v) == len(s.seeds) for v in V2_ORACLE_CEILINGS.values())
+
+
+def test_baseline_runs_share_the_suites_cache_keys() -> None:
+    s = BenchSettings(large_fleet_engines=())
+    cells = {c.id: c for c in s.cells()}
+    runs = baseline_runs(s, [cells["kv-half@paper:4"], cells["steady@paper:4"]])
+    oracle = [r for r in runs if r.baseline is Baseline.SWEEP]
+    assert [r.key(s) for r in oracle] == [
+        sweep_run(cells[cid], seed, c).key(s)
+        for cid in ("kv-half@paper:4", "steady@paper:4")
+        for seed, c in zip(s.seeds, V2_ORACLE_CEILINGS[cid], strict=True)
+    ]
+    once = [r for r in runs if r.baseline is Baseline.TUNED_ONCE]
+    assert [r.cell(s).id for r in once] == ["kv-half@paper:4"] * len(s.seeds)  # changing workloads only
+    assert {r.ceiling for r in once} == {V2_TUNED_ONCE_CEILING}
+
+
+def test_variants_run_at_the_cells_high_ceiling_under_their_own_name() -> None:
+    s = BenchSettings(large_fleet_engines=())
+    cell = s.cells()[0]
+    runs = variant_runs(s, [cell], ["session-admission", "misa-t"])
+    assert len(runs) == 2 * len(s.seeds)
+    assert {r.ceiling for r in runs} == {s.high(cell.engines)}
+    assert {r.variant for r in runs} == {"session-admission", "misa-t"}
