@@ -25,7 +25,7 @@ def test_demo_runs_its_rows_side_by_side_and_writes_its_report(tmp_path: Path) -
     assert roles == ["untuned", "tuned", "high", "tuned-once"]
     untuned, tuned, high, once = result["rows"]
     # Names match what ran: the manifest's policy, the tuned ceilings the sweeps picked.
-    assert untuned["spec"]["policy"] == "misa-t" and "misa-t" in untuned["spec"]["label"]
+    assert untuned["spec"]["policy"] == "session-admission" and "session-admission" in untuned["spec"]["label"]
     s = DemoSettings(manifest=manifest, engines=1, duration_s=200.0, warmup_s=50.0, out=out)
     _, spec = load_manifest(manifest)
     sweeps = json.loads((out / "tuning.json").read_text())

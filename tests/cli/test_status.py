@@ -16,7 +16,8 @@ from tests.support.manifests import one_engine_manifest
 
 
 async def test_status_of_a_live_router_reads_in_the_manifests_units(tmp_path: Path) -> None:
-    async with local_pool(one_engine_manifest(tmp_path), time_scale=200.0) as pool:
+    # misa-t: the policy with class budgets, whose reasons the table shows
+    async with local_pool(one_engine_manifest(tmp_path, policy="misa-t"), time_scale=200.0) as pool:
         client = AsyncOpenAI(base_url=f"{pool.router_url}/v1", api_key="unused",
                              default_headers={"X-Rollout-Class": "rlhf"})
         await client.completions.create(model=pool.spec.model.served, prompt=[5, 6, 7, 8], max_tokens=4)
@@ -27,7 +28,7 @@ async def test_status_of_a_live_router_reads_in_the_manifests_units(tmp_path: Pa
     text = console.export_text()
     # Shares as percent, as the manifest writes them (48.6, not 0.486).
     assert "48.6%" in text and "33.2%" in text and "18.2%" in text
-    assert "policy misa" in text and "engines healthy 1/1" in text
+    assert "policy misa-t" in text and "engines healthy 1/1" in text
     assert "KV budget (est. tokens)" in text and "KV in use" in text
     assert pool.engine_urls[0] in text
     # Each class's budget and cap come with the reason they have that value.
