@@ -132,6 +132,8 @@ POLICY_VARIANTS: dict[str, PolicySettings] = {
     "misa-t-target": PolicySettings(name=PolicyName.MISA_T, budget_basis="target"),
     "footprint-peak-p90": PolicySettings(footprint=FootprintSettings(statistic="peak", percentile=90.0)),
     "footprint-mean-p50": PolicySettings(footprint=FootprintSettings(statistic="mean", percentile=50.0)),
+    "session-admission-occupancy": PolicySettings(name=PolicyName.SESSION_ADMISSION,
+                                                  footprint=FootprintSettings(statistic="occupancy")),
 }
 """Policies under test by name, each run at the high ceiling with no per-cell tuning. Add a
 variant here (a T-shape, a footprint estimator) and name it in ``--policies``; a variant equal

@@ -106,3 +106,52 @@ def censored_percentile(events: list[float], censored: list[float], pct: float) 
         while i < n and obs[i][0] == t:
             i += 1
     return None
+
+
+class WindowRatio:
+    """Sum of numerators over sum of denominators of the last ``window`` samples.
+
+    A weighted mean with the denominators as weights: for KV occupancy, each
+    session's KV token-seconds over its residency, so that a long session counts
+    for as long as it stays, as it does in the engine's KV.
+    """
+
+    __slots__ = ("_den", "_num", "_samples", "min_samples")
+
+    def __init__(self, window: int, min_samples: int) -> None:
+        self._samples: deque[tuple[float, float]] = deque(maxlen=window)
+        self._num = 0.0
+        self._den = 0.0
+        self.min_samples = min_samples
+
+    def reconfigure(self, window: int, pct: float, min_samples: int) -> None:
+        """New window or sample floor (``pct`` is unused: the same signature as WindowPercentile)."""
+        if window != self._samples.maxlen:
+            self._samples = deque(self._samples, maxlen=window)
+            self._num = sum(n for n, _ in self._samples)
+            self._den = sum(d for _, d in self._samples)
+        self.min_samples = min_samples
+
+    def add(self, numerator: float, denominator: float) -> None:
+        samples = self._samples
+        if len(samples) == samples.maxlen:
+            old_n, old_d = samples[0]
+            self._num -= old_n
+            self._den -= old_d
+        samples.append((float(numerator), float(denominator)))
+        self._num += numerator
+        self._den += denominator
+
+    @property
+    def count(self) -> int:
+        return len(self._samples)
+
+    @property
+    def ready(self) -> bool:
+        return len(self._samples) >= self.min_samples
+
+    def value(self) -> float | None:
+        """The ratio, or ``None`` until ``min_samples`` samples arrived (or all weights are 0)."""
+        if len(self._samples) < self.min_samples or self._den <= 0:
+            return None
+        return self._num / self._den

@@ -25,7 +25,8 @@ Algorithm (``docs/misa-t.md`` is the specification):
    router's books, not from the stale snapshot, so old metrics never
    over-admit.
 4. On completion a session contributes its footprint (peak or mean KV
-   tokens) to ``k_b`` and its residency to ``T_b``: from its first placement
+   tokens, or its KV token-seconds over its residency for the ``occupancy``
+   statistic) to ``k_b`` and its residency to ``T_b``: from its first placement
    (its admission; time held before does not count) to its end, tool gaps
    included. With ``residency.censored``, live sessions count too, as
    censored observations (each has stayed at least its age so far), so that
@@ -43,7 +44,7 @@ from dataclasses import dataclass
 
 from .base import Engines, Policy, healthy_ids
 from .budgets import allocate, class_session_cap
-from .estimators import WindowPercentile, censored_percentile
+from .estimators import WindowPercentile, WindowRatio, censored_percentile
 from .hit_guard import HitGuard
 from .prefix_index import PrefixIndex, PromptKeys, prompt_keys
 from .settings import PolicySettings, WorkloadMix
@@ -68,6 +69,14 @@ class LiveSession:
     samples: int = 1
     """Sequences the session runs at once (the most of any of its requests, ``RequestMeta.samples``):
     it takes that many places in the session counts, and its footprint is shared among them."""
+    kv_token_s: float = 0.0
+    """KV token-seconds the session has held so far (``footprint.statistic: occupancy``): each
+    request its prompt plus half its output for as long as it ran (a context that grows
+    linearly), each gap between requests its whole context (cached for the next turn)."""
+    turn_started_at: float = 0.0
+    cached_tokens: int = 0
+    """Context of the last finished request, held in the engine's cache until the next turn."""
+    cached_since: float = 0.0
 
 
 class MisaPolicy(Policy):
@@ -87,6 +96,9 @@ class MisaPolicy(Policy):
         self.held_ids: set[str] = set()
         self.held_per_class: dict[str, int] = {}
         self.footprint: dict[str, WindowPercentile] = {}
+        self.kv_occupancy: dict[str, WindowRatio] = {}
+        """Per class: KV token-seconds over residency of recent sessions (``footprint.statistic:
+        occupancy``); kept whatever the statistic, so a hot reload switches at once."""
         self.residency: dict[str, WindowPercentile] = {}
         self._residency_km: dict[str, float] | None = None
         """T_b with live sessions counted as censored, as of the last scrape (``residency.censored``)."""
@@ -114,7 +126,11 @@ class MisaPolicy(Policy):
 
     def footprint_of(self, workload_class: str) -> float:
         """k_b in KV tokens."""
-        est = self.footprint.get(workload_class)
+        est: WindowPercentile | WindowRatio | None
+        if self.settings.footprint.statistic == "occupancy":
+            est = self.kv_occupancy.get(workload_class)
+        else:
+            est = self.footprint.get(workload_class)
         value = est.value() if est is not None else None
         if value is None:
             prior = self._bootstrap.get(workload_class, float(self.settings.footprint.bootstrap_tokens))
@@ -444,6 +460,10 @@ class MisaPolicy(Policy):
             self._count(live.engine_id, live.workload_class, req.samples - live.samples)
             live.samples = req.samples
         self._know(live, req.prompt_tokens)
+        if live.cached_tokens:
+            live.kv_token_s += (now - live.cached_since) * live.cached_tokens
+            live.cached_tokens = 0
+        live.turn_started_at = now
         if live.engine_id != engine_id:
             self._count(live.engine_id, live.workload_class, -live.samples)
             live.engine_id = engine_id
@@ -459,6 +479,10 @@ class MisaPolicy(Policy):
             return
         size = completion.prompt_tokens + completion.completion_tokens
         live.peak_tokens = max(live.peak_tokens, size)
+        live.kv_token_s += (now - live.turn_started_at) * (
+            completion.prompt_tokens + completion.completion_tokens / 2.0)
+        live.cached_tokens = size
+        live.cached_since = now
         self._know(live, size)
         if not completion.ok:
             live.failed = True
@@ -483,21 +507,27 @@ class MisaPolicy(Policy):
         if live.failed or live.peak_tokens <= 0:
             return
         fp = self.settings.footprint
-        size = live.peak_tokens if fp.statistic == "peak" else live.peak_tokens / 2.0
+        size = live.peak_tokens if fp.statistic != "mean" else live.peak_tokens / 2.0
         # k_b is per sequence: a group's samples share its prompt and split its footprint.
         size /= live.samples
         b = live.workload_class
+        stayed = now - live.admitted_at
         # Looked up before built: this runs at the end of every session (every request of a
         # single-turn class), and most of the time the class has its estimators already.
         footprint = self.footprint.get(b)
         if footprint is None:
             footprint = self.footprint[b] = WindowPercentile(fp.window, fp.percentile, fp.min_samples)
         footprint.add(size)
+        if stayed > 0:
+            held_kv = self.kv_occupancy.get(b)
+            if held_kv is None:
+                held_kv = self.kv_occupancy[b] = WindowRatio(fp.window, fp.min_samples)
+            held_kv.add(live.kv_token_s / live.samples, stayed)
         residency = self.residency.get(b)
         if residency is None:
             rs = self.settings.residency
             residency = self.residency[b] = WindowPercentile(rs.window, rs.percentile, rs.min_samples)
-        residency.add(now - live.admitted_at)
+        residency.add(stayed)
 
     def on_metrics(self, engines: Engines, now: float) -> None:
         pf = self.settings.prefix
@@ -562,6 +592,8 @@ class MisaPolicy(Policy):
         for estimators, cfg in ((self.footprint, settings.footprint), (self.residency, settings.residency)):
             for est in estimators.values():
                 est.reconfigure(cfg.window, cfg.percentile, cfg.min_samples)
+        for ratio in self.kv_occupancy.values():
+            ratio.reconfigure(settings.footprint.window, settings.footprint.percentile, settings.footprint.min_samples)
         self._set_mix_bounds(self.mix)
         return True
 

@@ -113,9 +113,13 @@ class FootprintSettings(_Settings):
     """k_b: the KV tokens a session of class b holds, from recently completed sessions."""
 
     statistic: str = Field(
-        "peak", pattern="^(peak|mean)$",
+        "peak", pattern="^(peak|mean|occupancy)$",
         description="'peak': a session's largest prompt+output; 'mean': half of it, the time "
-        "average of a linearly growing context.",
+        "average of a linearly growing context; 'occupancy': the KV a session holds on average "
+        "over its residency, weighted by residency (sum of KV token-seconds over sum of seconds, "
+        "each request counted at its prompt plus half its output while it runs and each gap "
+        "between requests at the whole context): what a live session holds at a random moment, "
+        "by Little's law. 'percentile' does not apply to it.",
     )
     percentile: Percentile = Field(
         25.0,
