@@ -53,6 +53,9 @@ V2_ORACLE_CEILINGS: dict[str, tuple[int, ...]] = {
 "Results (v2)": the oracle rows' "each seed's best")."""
 V2_TUNED_ONCE_CEILING = 200
 """tuned-once in v2: steady@paper:4's best ceiling on the mean over seeds."""
+V2_TUNED_REQUEST_LIMIT = 256
+"""request-limit in v2: the router request limit (cache_aware at the high ceiling) that was best on
+steady@paper:4's mean over seeds, then run unchanged on every cell."""
 
 
 def baseline_runs(s: BenchSettings, cells: list[Cell]) -> list[RunSpec]:
@@ -67,6 +70,19 @@ def baseline_runs(s: BenchSettings, cells: list[Cell]) -> list[RunSpec]:
     return runs
 
 
+def limit_runs(s: BenchSettings, cells: list[Cell]) -> list[RunSpec]:
+    """request-limit (v2's tuned limit) and high-load (no limit) at each cell's high ceiling, every seed:
+    the baselines of the 2x goals, paired by seed with the variants (``--limits``)."""
+    runs: list[RunSpec] = []
+    for cell in cells:
+        high = s.high(cell.engines)
+        for seed in s.seeds:
+            runs.append(_spec(cell, seed, Baseline.REQUEST_LIMIT, cache_aware(limit=V2_TUNED_REQUEST_LIMIT), high,
+                              f"cache_aware limit {V2_TUNED_REQUEST_LIMIT} @{high} (tuned on steady@paper:4)"))
+            runs.append(_spec(cell, seed, Baseline.HIGH_LOAD, cache_aware(), high, f"cache_aware @{high}"))
+    return runs
+
+
 def variant_runs(s: BenchSettings, cells: list[Cell], policies: list[str]) -> list[RunSpec]:
     """Each policy at the cell's high ceiling, as the suite runs it."""
     return [_spec(cell, seed, Baseline.POLICY, POLICY_VARIANTS[p], s.high(cell.engines), f"{p} @{s.high(cell.engines)}",
@@ -78,18 +94,22 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values)
 
 
-def report(s: BenchSettings, cells: list[Cell], policies: list[str], records: dict[str, RunRecord]) -> str:
-    """The per-cell table and the rule's inputs, per policy, as markdown."""
+def report(s: BenchSettings, cells: list[Cell], policies: list[str], records: dict[str, RunRecord],
+           limits: bool = False) -> str:
+    """The per-cell table and the rule's inputs, per policy, as markdown (with ``limits``, the paired
+    ratios to request-limit and high-load too)."""
     def rates(specs: list[RunSpec]) -> dict[int, float]:
         return {sp.seed_of(s): records[k].metrics.mixture_rate_per_min for sp in specs if (k := sp.key(s)) in records}
 
     out: list[str] = []
     for p in policies:
         out += [f"### {p}", "",
-                "| cell | mix-rate/min | oracle | x oracle | x tuned-once | hit | ideal hit | TV pts | TV noise |",
-                "|---|---:|---:|---|---|---:|---:|---:|---:|"]
+                "| cell | mix-rate/min | oracle | x oracle | x tuned-once | hit | ideal hit | TV pts | TV noise |"
+                + (" x request-limit | x high-load |" if limits else ""),
+                "|---|---:|---:|---|---|---:|---:|---:|---:|" + ("---|---|" if limits else "")]
         ratios: list[tuple[str, Interval]] = []
         once_means: list[float] = []
+        limit_means: dict[Baseline, list[float]] = {Baseline.REQUEST_LIMIT: [], Baseline.HIGH_LOAD: []}
         for cell in cells:
             base = baseline_runs(s, [cell])
             mine_specs = variant_runs(s, [cell], [p])
@@ -105,18 +125,28 @@ def report(s: BenchSettings, cells: list[Cell], policies: list[str], records: di
             if t is not None:
                 once_means.append(t.mean)
             m = [records[sp.key(s)].metrics for sp in mine_specs if sp.key(s) in records]
+            extra = ""
+            if limits:
+                for which in (Baseline.REQUEST_LIMIT, Baseline.HIGH_LOAD):
+                    lr = paired_ratio(mine, rates([b for b in limit_runs(s, [cell]) if b.baseline is which]))
+                    if lr is not None:
+                        limit_means[which].append(lr.mean)
+                    extra += f" {lr.describe() + ' ' + verdict(lr).value if lr else '-'} |"
             out.append(
                 f"| {cell.id} | {_mean(list(mine.values())):.1f} | {_mean(list(oracle.values())):.1f} | "
                 f"{r.describe()} {verdict(r).value} | {t.describe() if t else '-'} | "
                 f"{100 * _mean([x.prefix_hit_rate for x in m]):.1f}% | "
                 f"{100 * _mean([x.ideal_prefix_hit_rate for x in m]):.1f}% | "
-                f"{_mean([x.tv_points for x in m]):.2f} | {_mean([x.tv_noise_points for x in m]):.2f} |")
+                f"{_mean([x.tv_points for x in m]):.2f} | {_mean([x.tv_noise_points for x in m]):.2f} |" + extra)
         if ratios:
             worst = min(ratios, key=lambda x: x[1].mean)
             line = (f"Mean over {len(ratios)} cells {_mean([r.mean for _, r in ratios]):.3f}x, "
                     f"worst {worst[0]} {worst[1].mean:.3f}x")
             if once_means:
                 line += f"; x tuned-once over the changing cells {_mean(once_means):.3f}x"
+            for which, means in limit_means.items():
+                if means:
+                    line += f"; x {which.value} over {len(means)} cells {_mean(means):.3f}x (mean of paired ratios)"
             out += ["", line + "."]
         out.append("")
     return "\n".join(out)
@@ -129,6 +159,9 @@ def main() -> None:
     ap.add_argument("--cells", default="", help="only these cell ids (default: the twelve of v2)")
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--out", type=Path, default=Path("out/variant-check"), help="run cache (the suite's format)")
+    ap.add_argument("--limits", action="store_true",
+                    help=f"also run request-limit (limit {V2_TUNED_REQUEST_LIMIT}) and high-load at each cell's high "
+                    "ceiling, every seed, and report the variants' paired ratios to them")
     args = ap.parse_args()
     policies = [p for p in args.policies.split(",") if p]
     unknown = [p for p in policies if p not in POLICY_VARIANTS]
@@ -147,11 +180,11 @@ def main() -> None:
         print(f"{'cached' if cached else 'ran   '} {rec.spec.cell(s).id} seed {rec.spec.seed_of(s)} {rec.spec.label}: "
               f"{rec.metrics.mixture_rate_per_min:.1f}/min ({rec.cpu_s:.0f} CPU-s)", flush=True)
 
-    specs = baseline_runs(s, cells) + variant_runs(s, cells, policies)
+    specs = baseline_runs(s, cells) + (limit_runs(s, cells) if args.limits else []) + variant_runs(s, cells, policies)
     recs = run_all(specs, s, jobs=args.jobs, cache=RunCache(args.out / "cache"), on_done=done)
     by_key = {r.key: r for r in recs}
     print()
-    print(report(s, cells, policies, by_key))
+    print(report(s, cells, policies, by_key, limits=args.limits))
 
 
 if __name__ == "__main__":

@@ -3,7 +3,14 @@
 from __future__ import annotations
 
 from misat_bench.suite import Baseline, BenchSettings, sweep_run
-from misat_bench.variant_check import V2_ORACLE_CEILINGS, V2_TUNED_ONCE_CEILING, baseline_runs, variant_runs
+from misat_bench.variant_check import (
+    V2_ORACLE_CEILINGS,
+    V2_TUNED_ONCE_CEILING,
+    V2_TUNED_REQUEST_LIMIT,
+    baseline_runs,
+    limit_runs,
+    variant_runs,
+)
 
 
 def test_every_cell_of_the_four_engine_matrix_has_an_oracle_ceiling_per_seed() -> None:
@@ -34,3 +41,18 @@ def test_variants_run_at_the_cells_high_ceiling_under_their_own_name() -> None:
     assert len(runs) == 2 * len(s.seeds)
     assert {r.ceiling for r in runs} == {s.high(cell.engines)}
     assert {r.variant for r in runs} == {"session-admission", "misa-t"}
+
+
+def test_limit_runs_are_the_suites_request_limit_and_high_load_runs() -> None:
+    # high-load is cache_aware at the high ceiling, the same run (cache key) as the sweep's point there;
+    # request-limit adds v2's tuned limit at that ceiling.
+    s = BenchSettings(large_fleet_engines=())
+    cell = next(c for c in s.cells() if c.id == "kv-half@paper:4")
+    mine = limit_runs(s, [cell])
+    assert len(mine) == 2 * len(s.seeds)
+    limit = [r for r in mine if r.baseline is Baseline.REQUEST_LIMIT]
+    high = [r for r in mine if r.baseline is Baseline.HIGH_LOAD]
+    assert {r.policy.concurrency_limit for r in limit} == {V2_TUNED_REQUEST_LIMIT}
+    assert {r.policy.concurrency_limit for r in high} == {None}
+    assert {r.ceiling for r in mine} == {s.high(cell.engines)}
+    assert [r.key(s) for r in high] == [sweep_run(cell, seed, s.high(cell.engines)).key(s) for seed in s.seeds]

@@ -272,7 +272,7 @@ async def test_bring_your_own_engines_renders_only_the_router(
         assert config["engines"]["service"]["name"] == "vllm-fleet.inference.svc.cluster.local"
         assert config["engines"]["service"]["port"] == 8000
         pool = _obj(k8s, POOLS, "external-pool")
-        assert pool is not None and pool["status"]["effective"]["admission"]["policy"] == "misa-t"
+        assert pool is not None and pool["status"]["effective"]["admission"]["policy"] == "session-admission"
         assert pool["status"]["engines"]["desired"] == 0
 
 
