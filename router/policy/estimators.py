@@ -5,6 +5,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections import deque
+from typing import Any
 
 
 def percentile(sorted_values: list[float], pct: float) -> float:
@@ -18,7 +19,23 @@ def percentile(sorted_values: list[float], pct: float) -> float:
     return sorted_values[lo] * (1.0 - frac) + sorted_values[hi] * frac
 
 
-class WindowPercentile:
+class _Window:
+    """The last ``window`` samples of a windowed estimator, and how many it needs before it answers."""
+
+    __slots__ = ("_samples", "min_samples")
+    _samples: deque[Any]
+    min_samples: int
+
+    @property
+    def count(self) -> int:
+        return len(self._samples)
+
+    @property
+    def ready(self) -> bool:
+        return len(self._samples) >= self.min_samples
+
+
+class WindowPercentile(_Window):
     """A percentile of the last ``window`` samples, kept sorted as samples come and go.
 
     The value is read on every decision and samples arrive on every session end,
@@ -27,7 +44,7 @@ class WindowPercentile:
     C-level search and move per sample) rather than sorted on read.
     """
 
-    __slots__ = ("_samples", "_sorted", "_value", "min_samples", "pct")
+    __slots__ = ("_sorted", "_value", "pct")
 
     def __init__(self, window: int, pct: float, min_samples: int) -> None:
         self._samples: deque[float] = deque(maxlen=window)
@@ -59,14 +76,6 @@ class WindowPercentile:
         """Recompute the value after a change (read far more often than changed)."""
         s = self._sorted
         self._value = percentile(s, self.pct) if len(s) >= self.min_samples and s else None
-
-    @property
-    def count(self) -> int:
-        return len(self._samples)
-
-    @property
-    def ready(self) -> bool:
-        return len(self._samples) >= self.min_samples
 
     def value(self) -> float | None:
         """The percentile, or ``None`` until ``min_samples`` samples arrived."""
@@ -108,7 +117,7 @@ def censored_percentile(events: list[float], censored: list[float], pct: float) 
     return None
 
 
-class WindowRatio:
+class WindowRatio(_Window):
     """Sum of numerators over sum of denominators of the last ``window`` samples.
 
     A weighted mean with the denominators as weights: for KV occupancy, each
@@ -116,7 +125,7 @@ class WindowRatio:
     for as long as it stays, as it does in the engine's KV.
     """
 
-    __slots__ = ("_den", "_num", "_samples", "min_samples")
+    __slots__ = ("_den", "_num")
 
     def __init__(self, window: int, min_samples: int) -> None:
         self._samples: deque[tuple[float, float]] = deque(maxlen=window)
@@ -141,14 +150,6 @@ class WindowRatio:
         samples.append((float(numerator), float(denominator)))
         self._num += numerator
         self._den += denominator
-
-    @property
-    def count(self) -> int:
-        return len(self._samples)
-
-    @property
-    def ready(self) -> bool:
-        return len(self._samples) >= self.min_samples
 
     def value(self) -> float | None:
         """The ratio, or ``None`` until ``min_samples`` samples arrived (or all weights are 0)."""
