@@ -28,12 +28,17 @@ def _occupancy_runner(statistic: str = "occupancy"):  # type: ignore[no-untyped-
                        footprint=FootprintSettings(statistic=statistic, min_samples=1, bootstrap_tokens=1000))
 
 
+def _one_rlvr_session(runner) -> None:  # type: ignore[no-untyped-def]
+    """A 100-token prompt that generates 1,000 tokens over 10 s on a large engine, then the engine goes."""
+    r = req("rlvr", prompt=100)
+    d = runner.submit(r, engines(1, capacity=10**9), 0.0)
+    runner.finish(r, d.engine_id, Completion(prompt_tokens=100, completion_tokens=1000), 10.0)
+    runner.remove_engine("e0", 10.0)
+
+
 def test_a_single_request_holds_its_prompt_and_half_its_output_on_average() -> None:
     runner = _occupancy_runner()
-    big = engines(1, capacity=10**9)
-    r = req("rlvr", prompt=100)
-    d = runner.submit(r, big, 0.0)
-    runner.finish(r, d.engine_id, Completion(prompt_tokens=100, completion_tokens=1000), 10.0)  # type: ignore[arg-type]
+    _one_rlvr_session(runner)
     assert runner.policy.footprint_of("rlvr") == pytest.approx(100 + 1000 / 2)  # type: ignore[attr-defined]
 
 
@@ -68,10 +73,7 @@ def test_a_multi_turn_session_holds_its_context_through_tool_gaps() -> None:
 
 def test_the_statistic_switches_on_a_hot_reload_without_new_samples() -> None:
     runner = _occupancy_runner(statistic="peak")
-    big = engines(1, capacity=10**9)
-    r = req("rlvr", prompt=100)
-    d = runner.submit(r, big, 0.0)
-    runner.finish(r, d.engine_id, Completion(prompt_tokens=100, completion_tokens=1000), 10.0)  # type: ignore[arg-type]
+    _one_rlvr_session(runner)
     policy = runner.policy
     assert policy.footprint_of("rlvr") == pytest.approx(1100.0)  # type: ignore[attr-defined]
     new = policy.settings.model_copy(
@@ -83,11 +85,7 @@ def test_the_statistic_switches_on_a_hot_reload_without_new_samples() -> None:
 def test_occupancy_sizes_the_session_cap() -> None:
     # k = 600 tokens held on average: a 6,000-token engine takes 10 sessions (the peak, 1,100, gives 5).
     runner = _occupancy_runner()
-    big = engines(1, capacity=10**9)
-    r = req("rlvr", prompt=100)
-    d = runner.submit(r, big, 0.0)
-    runner.finish(r, d.engine_id, Completion(prompt_tokens=100, completion_tokens=1000), 10.0)  # type: ignore[arg-type]
-    runner.remove_engine("e0", 10.0)
+    _one_rlvr_session(runner)
     eng = engines(1, capacity=6000)
     decisions = [runner.submit(req("rlvr"), eng, 11.0) for _ in range(12)]
     assert sum(1 for d in decisions if d.placed) == 10
