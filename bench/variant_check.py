@@ -127,8 +127,9 @@ def report(s: BenchSettings, cells: list[Cell], policies: list[str], records: di
             m = [records[sp.key(s)].metrics for sp in mine_specs if sp.key(s) in records]
             extra = ""
             if limits:
-                for which in (Baseline.REQUEST_LIMIT, Baseline.HIGH_LOAD):
-                    lr = paired_ratio(mine, rates([b for b in limit_runs(s, [cell]) if b.baseline is which]))
+                cell_limits = limit_runs(s, [cell])
+                for which in limit_means:
+                    lr = paired_ratio(mine, rates([b for b in cell_limits if b.baseline is which]))
                     if lr is not None:
                         limit_means[which].append(lr.mean)
                     extra += f" {lr.describe() + ' ' + verdict(lr).value if lr else '-'} |"

@@ -133,8 +133,8 @@ class WindowRatio(_Window):
         self._den = 0.0
         self.min_samples = min_samples
 
-    def reconfigure(self, window: int, pct: float, min_samples: int) -> None:
-        """New window or sample floor (``pct`` is unused: the same signature as WindowPercentile)."""
+    def reconfigure(self, window: int, min_samples: int) -> None:
+        """New window or sample floor; the newest samples are kept."""
         if window != self._samples.maxlen:
             self._samples = deque(self._samples, maxlen=window)
             self._num = sum(n for n, _ in self._samples)

@@ -593,7 +593,7 @@ class MisaPolicy(Policy):
             for est in estimators.values():
                 est.reconfigure(cfg.window, cfg.percentile, cfg.min_samples)
         for ratio in self.kv_occupancy.values():
-            ratio.reconfigure(settings.footprint.window, settings.footprint.percentile, settings.footprint.min_samples)
+            ratio.reconfigure(settings.footprint.window, settings.footprint.min_samples)
         self._set_mix_bounds(self.mix)
         return True
 

@@ -19,7 +19,7 @@ def test_window_ratio_weights_by_denominator_and_forgets_the_oldest() -> None:
     assert ratio.value() == pytest.approx(1000.0 / 4.0)  # not the mean of 100 and 300
     ratio.add(50.0, 1.0)  # the first sample leaves the window
     assert ratio.value() == pytest.approx(950.0 / 4.0)
-    ratio.reconfigure(window=1, pct=50.0, min_samples=1)
+    ratio.reconfigure(window=1, min_samples=1)
     assert ratio.value() == pytest.approx(50.0)
 
 
