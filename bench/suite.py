@@ -36,6 +36,7 @@ from misat_router.policy.settings import (
     PolicyName,
     PolicySettings,
     ResidencySettings,
+    SessionAdmissionSettings,
 )
 from misat_sim.cluster import ClusterConfig
 from misat_sim.config import SimEngineConfig
@@ -134,6 +135,8 @@ POLICY_VARIANTS: dict[str, PolicySettings] = {
     "footprint-mean-p50": PolicySettings(footprint=FootprintSettings(statistic="mean", percentile=50.0)),
     "session-admission-occupancy": PolicySettings(name=PolicyName.SESSION_ADMISSION,
                                                   footprint=FootprintSettings(statistic="occupancy")),
+    "session-admission-longest-first": PolicySettings(
+        name=PolicyName.SESSION_ADMISSION, admission=SessionAdmissionSettings(release_order="longest-first")),
 }
 """Policies under test by name, each run at the high ceiling with no per-cell tuning. Add a
 variant here (a T-shape, a footprint estimator) and name it in ``--policies``; a variant equal

@@ -111,6 +111,11 @@ class Policy(ABC):
     def on_epoch(self, now: float) -> None:  # noqa: B027
         """Periodic housekeeping; called every admission epoch."""
 
+    def release_rank(self, workload_class: str) -> float | None:
+        """Where held new sessions of ``workload_class`` stand in the release order: lower goes
+        first. None (the default): arrival order, for every class."""
+        return None
+
     def on_engine_removed(self, engine_id: str, now: float) -> None:
         self.load.drop_engine(engine_id)
 

@@ -52,6 +52,9 @@ class ConcurrencyLimited(Policy):
     def on_placed(self, req: RequestMeta, engine_id: str, now: float) -> None:
         self.inner.on_placed(req, engine_id, now)
 
+    def release_rank(self, workload_class: str) -> float | None:
+        return self.inner.release_rank(workload_class)
+
     def on_finished(
         self, req: RequestMeta, engine_id: str, completion: Completion, now: float
     ) -> None:

@@ -156,6 +156,12 @@ class MisaPolicy(Policy):
         known = [v for e in self.residency.values() if (v := e.value()) is not None]
         return max(sum(known) / len(known), 1e-6) if known else 1.0
 
+    def release_rank(self, workload_class: str) -> float | None:
+        """``admission.releaseOrder: longest-first``: the longest T_b goes first (its negative)."""
+        if self.settings.admission.release_order != "longest-first":
+            return None
+        return -self.residency_of(workload_class)
+
     def _refresh_residency(self, now: float) -> None:
         """Recompute T_b with live sessions as censored observations (``residency.censored``).
 

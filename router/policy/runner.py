@@ -86,7 +86,7 @@ class PolicyRunner:
         continuation = self.is_continuation(req)
         if self.paused:
             decision = Decision.hold(Reason.HOLD_PAUSED)
-        elif not continuation and self._held_per_class.get(req.workload_class, 0):
+        elif not continuation and (self._held_per_class.get(req.workload_class, 0) or self._behind_longer(req)):
             decision = Decision.hold(Reason.HOLD_QUEUED)
         else:
             decision = self.policy.decide(req, self._view(req, continuation, engines, draining), now)
@@ -119,7 +119,7 @@ class PolicyRunner:
         for_new = _without(engines, draining)
         # Iterate the ledger itself (no copy: it can be long); entries placed in this
         # pass are unheld at once for the policy's books and popped after the loop.
-        for entry in self._held.values():
+        for entry in self._release_order():
             req = entry.req
             if req.workload_class in blocked and not entry.continuation:
                 if not self._held_continuations and len(blocked) >= classes_held:
@@ -130,6 +130,8 @@ class PolicyRunner:
             )
             if not decision.placed:
                 entry.reason = decision.reason
+                if decision.reason is Reason.HOLD_CONCURRENCY_LIMIT:
+                    break  # a global limit: nothing after this entry passes in this pass either
                 blocked.add(req.workload_class)
                 continue
             self.policy.on_unhold(req, now)
@@ -139,6 +141,26 @@ class PolicyRunner:
         for req, _ in released:
             self._remove_held(req.request_id, now, notify=False)
         return released
+
+    def _release_order(self) -> Iterable[HeldEntry]:
+        """The ledger in the order ``release`` tries it: arrival order, or the policy's class
+        ranks (``release_rank``) with continuations first and arrival order within a rank."""
+        held = self._held.values()
+        ranks = {c: self.policy.release_rank(c) for c in self._held_per_class}
+        if all(r is None for r in ranks.values()):
+            return held
+        return sorted(held, key=lambda e: (not e.continuation, ranks.get(e.req.workload_class) or 0.0))
+
+    def _behind_longer(self, req: RequestMeta) -> bool:
+        """A new session must wait: a class that goes before its own in the release order
+        (``release_rank``) has sessions held."""
+        if not self._held_per_class:
+            return False
+        mine = self.policy.release_rank(req.workload_class)
+        if mine is None:
+            return False
+        return any(n and (r := self.policy.release_rank(c)) is not None and r < mine
+                   for c, n in self._held_per_class.items())
 
     def cancel(self, request_id: str, now: float) -> bool:
         """The caller gave up on a held request (client gone, deadline passed)."""

@@ -238,6 +238,14 @@ class SessionAdmissionSettings(_Settings):
         600.0, gt=0.0,
         description="A multi-turn session with no request for this long is ended (frees its budget).",
     )
+    release_order: Literal["arrival", "longest-first"] = Field(
+        "arrival",
+        description="Which held new sessions go first when room appears. arrival: oldest first "
+        "(each class in its own order). longest-first: classes with the longest recent residency "
+        "(T_b) first, then by arrival, and a new session waits while a longer class has sessions "
+        "held: an iteration's long rollouts start before its short ones, so fewer of them are "
+        "still running when the rest of the batch is done.",
+    )
 
 
 class CacheAwareSettings(_Settings):

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import pytest
 
+from misat_router.policy.base import Engines
 from misat_router.policy.concurrency_limit import ConcurrencyLimited
 from misat_router.policy.registry import build_policy
 from misat_router.policy.runner import PolicyRunner
 from misat_router.policy.settings import ClassSpec, PolicyName, PolicySettings, WorkloadMix
 from misat_router.policy.simple import LeastLoadedPolicy, RoundRobinPolicy
-from misat_router.policy.types import Action, Completion, EngineSnapshot, Reason, RequestMeta
+from misat_router.policy.types import Action, Completion, Decision, EngineSnapshot, Reason, RequestMeta
 
 MIX = WorkloadMix(classes=(ClassSpec(name="rlvr", share=100),))
 DONE = Completion(prompt_tokens=1, completion_tokens=1)
@@ -148,3 +149,30 @@ def test_limit_passes_hooks_to_the_inner_policy() -> None:
 def test_limit_must_be_positive() -> None:
     with pytest.raises(ValueError, match="at least 1"):
         ConcurrencyLimited(LeastLoadedPolicy(_settings(PolicyName.LEAST_LOADED), MIX), limit=0)
+
+
+def test_a_release_pass_stops_at_the_first_request_the_limit_holds() -> None:
+    # Held continuations are tried whatever their class's state, so before this a pass at the
+    # limit asked the policy once per held request: quadratic in the ledger under a long queue.
+    mix = WorkloadMix(classes=(ClassSpec(name="agentic", share=100, multi_turn=True),))
+    asked: list[str] = []
+
+    class Counting(ConcurrencyLimited):
+        def decide(self, req: RequestMeta, engines: Engines, now: float) -> Decision:
+            asked.append(req.request_id)
+            return super().decide(req, engines, now)
+
+    policy = Counting(RoundRobinPolicy(_settings(PolicyName.ROUND_ROBIN), mix), limit=1)
+    runner = PolicyRunner(policy, mix)
+    engines = _engines("a")
+    turns = [RequestMeta(request_id=f"t{i}", workload_class="agentic", session_id=f"s{i}", turn=1)
+             for i in range(50)]
+    assert [runner.submit(t, engines, 0.0).placed for t in turns[:2]] == [True, False]
+    for t in turns[2:]:
+        runner.submit(t, engines, 0.0)
+    asked.clear()
+    assert runner.release(engines, 1.0) == []
+    assert asked == ["t1"]  # the oldest held, then nothing else
+    runner.finish(turns[0], "a", DONE, 2.0)
+    assert [r.request_id for r, _ in runner.release(engines, 2.0)] == ["t1"]
+    assert [e.req.request_id for e in runner.held()][:2] == ["t2", "t3"]
