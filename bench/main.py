@@ -89,6 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cluster: the in-process simulation (default); http: the real binary over HTTP")
     p.add_argument("--engines", type=int, help="engines of every cell but the large-fleet ones")
     p.add_argument("--large-fleet", type=_ints, help="large-fleet engine counts for steady (empty: none), e.g. 16")
+    p.add_argument("--large-fleet-mixtures", type=_names,
+                   help="steady cells' mixtures on the large fleets (default: paper), e.g. paper,rlvr70")
     p.add_argument("--profile", help="engine profile (misat_sim.profiles)")
     p.add_argument("--max-duration", type=float, help="cap on a run's virtual seconds")
     p.add_argument("--jobs", type=int, default=DEFAULT_JOBS, help=f"parallel cluster runs (default {DEFAULT_JOBS})")
@@ -110,7 +112,8 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
     base = QUICK if args.quick else BenchSettings()
     update: dict[str, object] = {}
     for flag, name in [("engines", "engines"), ("profile", "profile"), ("seeds", "seeds"), ("policies", "policies"),
-                       ("mixtures", "mixtures"), ("large_fleet", "large_fleet_engines")]:
+                       ("mixtures", "mixtures"), ("large_fleet", "large_fleet_engines"),
+                       ("large_fleet_mixtures", "large_fleet_mixtures")]:
         value = getattr(args, flag)
         if value is not None:
             update[name] = value

@@ -331,3 +331,14 @@ async def test_vllm_router_binary_forwards_a_token_id_completion(tmp_path: Path)
                 data = await r.json()
     assert len(data["choices"][0]["token_ids"]) == 4
     assert data["usage"]["prompt_tokens"] == 40
+
+
+def test_large_fleet_mixtures_flag_adds_steady_cells_on_the_large_fleet() -> None:
+    args = bench_main.build_parser().parse_args(["--large-fleet-mixtures", "paper,rlvr70", "--large-fleet", "16"])
+    s = bench_main.settings_from_args(args)
+    assert parse_cells("steady@rlvr70:16", s) == [Cell(workload=WorkloadName.STEADY, mixture="rlvr70", engines=16)]
+    with pytest.raises(ValueError, match="not in the matrix"):  # without the flag: the paper's mixture only
+        parse_cells("steady@rlvr70:16", bench_main.settings_from_args(bench_main.build_parser().parse_args([])))
+    bad = bench_main.build_parser().parse_args(["--large-fleet-mixtures", "nope"])
+    with pytest.raises(ValueError, match="unknown mixture 'nope'"):
+        bench_main.settings_from_args(bad)
