@@ -109,7 +109,8 @@ class PolicyRunner:
 
         Returns the requests placed now, in order; each is already applied.
         A class whose oldest held request still does not fit stays blocked for
-        this pass, so its order is kept, while other classes may proceed.
+        this pass, so its order is kept, while other classes may proceed; a hold by
+        the global request limit ends the pass (nothing after it could pass).
         """
         if self.paused or not self._held:
             return []
@@ -142,25 +143,34 @@ class PolicyRunner:
             self._remove_held(req.request_id, now, notify=False)
         return released
 
+    def _held_ranks(self) -> dict[str, float] | None:
+        """Each held class's place in the release order (``Policy.release_rank``, lower first);
+        None when the policy keeps arrival order."""
+        ranks: dict[str, float] = {}
+        for c in self._held_per_class:
+            rank = self.policy.release_rank(c)
+            if rank is None:
+                return None
+            ranks[c] = rank
+        return ranks
+
     def _release_order(self) -> Iterable[HeldEntry]:
-        """The ledger in the order ``release`` tries it: arrival order, or the policy's class
-        ranks (``release_rank``) with continuations first and arrival order within a rank."""
-        held = self._held.values()
-        ranks = {c: self.policy.release_rank(c) for c in self._held_per_class}
-        if all(r is None for r in ranks.values()):
-            return held
-        return sorted(held, key=lambda e: (not e.continuation, ranks.get(e.req.workload_class) or 0.0))
+        """The ledger in the order ``release`` tries it: arrival order, or by class rank with
+        continuations first and arrival order within a rank."""
+        ranks = self._held_ranks()
+        if ranks is None:
+            return self._held.values()
+        return sorted(self._held.values(), key=lambda e: (not e.continuation, ranks[e.req.workload_class]))
 
     def _behind_longer(self, req: RequestMeta) -> bool:
-        """A new session must wait: a class that goes before its own in the release order
-        (``release_rank``) has sessions held."""
+        """A new session must wait: a class ranked before its own has sessions held."""
         if not self._held_per_class:
             return False
         mine = self.policy.release_rank(req.workload_class)
         if mine is None:
             return False
-        return any(n and (r := self.policy.release_rank(c)) is not None and r < mine
-                   for c, n in self._held_per_class.items())
+        ranks = self._held_ranks()
+        return ranks is not None and any(r < mine for r in ranks.values())
 
     def cancel(self, request_id: str, now: float) -> bool:
         """The caller gave up on a held request (client gone, deadline passed)."""
