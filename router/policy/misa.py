@@ -106,6 +106,13 @@ class MisaPolicy(Policy):
         self.snapshots: dict[str, EngineSnapshot] = {}
         # (time, +1 placed / -1 finished) per engine since its last scrape.
         self._events: dict[str, deque[tuple[float, int]]] = {}
+        # Per engine: the scrape time occupancy() last read, and the sum of the events after it.
+        # occupancy() runs for every engine a new session is checked against, and walking the
+        # events each time was the policy's largest cost on a large fleet with sessions held
+        # (docs/simulator.md). Kept exact by _event: time only moves forward, so the events
+        # after a scrape are a suffix of the deque.
+        self._since_at: dict[str, float] = {}
+        self._since: dict[str, int] = {}
         self._key_memo: dict[str, PromptKeys] = {}
         # Session key -> keys of its last placed prompt, least recently placed first.
         self._last_prompt: OrderedDict[str, PromptKeys] = OrderedDict()
@@ -283,13 +290,18 @@ class MisaPolicy(Policy):
         visible = snap.num_running + snap.num_waiting
         if visible <= 0:
             return ours
-        since = 0
-        events = self._events.get(engine_id)
-        if events:
-            for t, delta in reversed(events):
-                if t <= snap.scraped_at:
-                    break
-                since += delta
+        if self._since_at.get(engine_id) == snap.scraped_at:
+            since = self._since[engine_id]
+        else:
+            since = 0
+            events = self._events.get(engine_id)
+            if events:
+                for t, delta in reversed(events):
+                    if t <= snap.scraped_at:
+                        break
+                    since += delta
+            self._since_at[engine_id] = snap.scraped_at
+            self._since[engine_id] = since
         # Our in-flight requests at scrape time = now minus what changed since.
         ours_at_scrape = self.load.get(engine_id) - since
         return ours + max(0, visible - ours_at_scrape)
@@ -368,7 +380,6 @@ class MisaPolicy(Policy):
         demand = self._demand(None if req.request_id in self.held_ids else cls, samples)
         k_ref = self.reference_footprint(demand)
         k_b = self.footprint_of(cls)
-        reason = Reason.HOLD_SESSION_CAP
         if self.budgets_on:
             weights = self.class_weights(demand)
             # The inline split below is the demand basis without share bounds; anything else
@@ -390,12 +401,16 @@ class MisaPolicy(Policy):
         per_engine_class = self.engine_class_sessions
         budgets_on = self.budgets_on
         k_b_floor = max(k_b, 1.0)
-        # Cheapest first, then the first engine that admits: usually the first or second, so a
-        # new session checks caps on one or two engines rather than all of them.
-        for cost, w, hit in self._by_cost(req, engines, healthy):
+        # Caps first on every engine, then costs (the prefix match) for the engines that admit
+        # only: most decisions on a full fleet are holds (held sessions re-checked as room
+        # appears), and those need no costs at all. The engine placed is the cheapest that
+        # admits, ties by id, as a walk in cost order would find it.
+        admitting: list[str] = []
+        rejected: dict[str, Reason] = {}  # engines refused with a reason of their own
+        for w in healthy:
             snap = engines[w]
             if snap.kv_usage > kv_gate:
-                reason = Reason.HOLD_KV_FULL
+                rejected[w] = Reason.HOLD_KV_FULL
                 continue
             capacity = snap.kv_capacity_tokens
             cap = max(min_cap, min(max_cap, int(capacity * budget_fraction / k_ref))) if capacity > 0 else unknown_cap
@@ -422,9 +437,18 @@ class MisaPolicy(Policy):
                 else:
                     budget = self.class_budgets(w, snap, weights, len(healthy))[cls]
                 if live_cls and live_cls + samples > class_session_cap(budget, k_b_floor):
-                    reason = Reason.HOLD_CLASS_CAP
+                    rejected[w] = Reason.HOLD_CLASS_CAP
                     continue
+            admitting.append(w)
+        if admitting:
+            cost, w, hit = self._by_cost(req, engines, admitting)[0]
             return Decision.place(w, Reason.NEW_SESSION, {"cost": cost, "hit_tokens": hit})
+        reason = Reason.HOLD_SESSION_CAP
+        if rejected:
+            kinds = set(rejected.values())
+            # Both kinds: the reason is the costliest such engine's (what the walk in cost order
+            # that this loop replaced reported, kept so that the held reasons stay comparable).
+            reason = kinds.pop() if len(kinds) == 1 else rejected[self._by_cost(req, engines, list(rejected))[-1][1]]
         return Decision.hold(reason, {"k_ref": k_ref, "k_b": k_b})
 
     # ---- learning hooks -------------------------------------------------
@@ -451,7 +475,7 @@ class MisaPolicy(Policy):
 
     def on_placed(self, req: RequestMeta, engine_id: str, now: float) -> None:
         super().on_placed(req, engine_id, now)
-        self._events.setdefault(engine_id, deque()).append((now, req.samples))
+        self._event(engine_id, now, req.samples)
         keys = self._key_memo.pop(req.request_id, None) or self._prompt_keys(req)
         self.index.insert(keys, engine_id)
         if req.session_id is not None and not req.end_of_session:
@@ -475,11 +499,17 @@ class MisaPolicy(Policy):
             live.engine_id = engine_id
             self._count(engine_id, live.workload_class, live.samples)
 
+    def _event(self, engine_id: str, now: float, delta: int) -> None:
+        self._events.setdefault(engine_id, deque()).append((now, delta))
+        at = self._since_at.get(engine_id)
+        if at is not None and now > at:
+            self._since[engine_id] += delta
+
     def on_finished(
         self, req: RequestMeta, engine_id: str, completion: Completion, now: float
     ) -> None:
         super().on_finished(req, engine_id, completion, now)
-        self._events.setdefault(engine_id, deque()).append((now, -req.samples))
+        self._event(engine_id, now, -req.samples)
         live = self.sessions.get(req.session_key)
         if live is None:
             return
@@ -546,6 +576,7 @@ class MisaPolicy(Policy):
             events = self._events.get(w)
             while events and events[0][0] <= snap.scraped_at:
                 events.popleft()
+            self._since_at.pop(w, None)  # the sums are per scrape: start again from this one
         self._refresh_residency(now)
 
     def on_prefix_cache_reset(self, now: float) -> None:
@@ -565,6 +596,8 @@ class MisaPolicy(Policy):
         self.guards.pop(engine_id, None)
         self.snapshots.pop(engine_id, None)
         self._events.pop(engine_id, None)
+        self._since_at.pop(engine_id, None)
+        self._since.pop(engine_id, None)
 
     def set_mix(self, mix: WorkloadMix) -> None:
         """A new workload mixture (hot reload); live sessions and estimates are kept."""

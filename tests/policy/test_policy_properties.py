@@ -222,6 +222,57 @@ def test_new_sessions_never_exceed_engine_caps(name: PolicyName, ops: list) -> N
                 assert c["cap"] >= 1
 
 
+def _check_occupancy(runner: PolicyRunner) -> list[int]:
+    """Make every occupancy() call (the decisions' too) assert that it equals its definition,
+    computed from the policy's event log; returns a list that counts the calls."""
+    policy = runner.policy
+    fast = policy.occupancy  # type: ignore[attr-defined]
+    calls: list[int] = []
+
+    def checked(engine_id: str, snap: EngineSnapshot) -> int:
+        calls.append(1)
+        got = fast(engine_id, snap)
+        since = sum(d for t, d in policy._events.get(engine_id, ()) if t > snap.scraped_at)  # type: ignore[attr-defined]
+        ours = policy.engine_sessions.get(engine_id, 0)  # type: ignore[attr-defined]
+        visible = snap.num_running + snap.num_waiting
+        want = ours if visible <= 0 else ours + max(0, visible - (policy.load.get(engine_id) - since))
+        assert got == want, (engine_id, snap.scraped_at, got, want)
+        return got
+
+    policy.occupancy = checked  # type: ignore[attr-defined]
+    return calls
+
+
+@pytest.mark.parametrize("name", ADMISSION_POLICIES, ids=[n.value for n in ADMISSION_POLICIES])
+@settings(max_examples=40, deadline=None)
+@given(ops=st.lists(op, min_size=1, max_size=120))
+def test_occupancy_counts_exactly_the_events_after_the_scrape_it_is_asked_about(name: PolicyName, ops: list) -> None:
+    # occupancy() keeps a running sum of the placements and finishes after a scrape instead of
+    # walking them on every call.
+    runner = make(name)
+    calls = _check_occupancy(runner)
+    run(runner, ops)
+    if sum(kind == "new" for kind, _, _ in ops) > 20:
+        assert calls, "no decision asked for an engine's occupancy"
+
+
+@pytest.mark.parametrize("name", ADMISSION_POLICIES, ids=[n.value for n in ADMISSION_POLICIES])
+def test_occupancy_leaves_out_placements_in_the_instant_of_the_scrape(name: PolicyName) -> None:
+    # The in-process cluster scrapes and then places in the same instant: the scrape was taken
+    # before those placements, and an event at the scrape's own time counts as before it.
+    runner = make(name)
+    calls = _check_occupancy(runner)
+    engines = snapshot_set(0, 5.0)  # scraped at 5.0; e1 and e2 report running requests
+    runner.on_metrics(engines, 5.0)
+    for i in range(6):
+        ids = tuple(range(i, i + 32))
+        runner.submit(RequestMeta(f"r{i}", "rlvr", prompt_token_ids=ids, prompt_tokens=len(ids)), engines, 5.0)
+    for i in range(6, 9):
+        ids = tuple(range(i, i + 32))
+        runner.submit(RequestMeta(f"r{i}", "rlvr", prompt_token_ids=ids, prompt_tokens=len(ids)), engines, 6.0)
+    assert len(calls) >= 9
+
+
 @settings(max_examples=300, deadline=None)
 @given(
     capacity=st.floats(0, 1e7),
