@@ -273,15 +273,25 @@ class PrefixIndex:
         flag = 1 << self._bit_for(engine_id)
         lru = self._lru[engine_id]
         seq = keys._all()
-        if all(map(lru.__contains__, seq)):  # a prompt the engine was sent before (a GRPO group, a retry)
-            deque(map(lru.move_to_end, seq), maxlen=0)
-            return
-        new = list(map(lru.pop, seq, repeat(True)))  # True where the engine did not hold the key
-        lru.update(zip(seq, repeat(False)))
+        held = sum(map(lru.__contains__, seq))
         owners = self._owners
         get = owners.get
-        for key in compress(seq, new):
-            owners[key] = get(key, 0) | flag
+        if held == len(seq):  # a prompt the engine was sent before (a GRPO group, a retry)
+            deque(map(lru.move_to_end, seq), maxlen=0)
+            return
+        if held and all(map(lru.__contains__, islice(seq, held))):
+            # The keys the engine holds are a head of the prompt (a session's next turn): move
+            # them to the recent end and append the rest, the same order as below in fewer steps.
+            deque(map(lru.move_to_end, islice(seq, held)), maxlen=0)
+            fresh = seq[held:]
+            lru.update(zip(fresh, repeat(False)))
+            for key in fresh:
+                owners[key] = get(key, 0) | flag
+        else:
+            new = list(map(lru.pop, seq, repeat(True)))  # True where the engine did not hold the key
+            lru.update(zip(seq, repeat(False)))
+            for key in compress(seq, new):
+                owners[key] = get(key, 0) | flag
         self._trim(engine_id)
 
     def _trim(self, engine_id: str) -> None:

@@ -132,3 +132,31 @@ def test_keys_are_not_continued_across_kinds_or_block_sizes() -> None:
     started._extend(1)
     assert started.continue_from(tokens) == 0, "only before any key is computed"
     assert started.keys == tokens.keys
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    ops=st.lists(
+        st.tuples(st.sampled_from("ab"), st.integers(0, 5), st.integers(0, 6), st.integers(0, 3)), max_size=25
+    ),
+    limit=st.integers(2, 12),
+)
+def test_insert_keeps_each_engines_keys_in_recency_order(ops: list, limit: int) -> None:
+    # Prompts grow from a few stems (a session's turns: the engine holds a head of the next
+    # prompt) or differ early; the index must order an engine's keys as "take the prompt's keys
+    # out, append them in prompt order, trim the oldest", whichever path an insert takes.
+    stems = [[s] * 4 + list(range(10 * s, 10 * s + 24)) for s in range(6)]
+    idx = PrefixIndex(S)
+    want: dict[str, list[int]] = {}
+    for engine, stem, blocks, noise in ops:
+        ids = stems[stem][: 4 * (1 + blocks)] + [noise] * (4 if noise else 0)
+        k = keys(ids)
+        seq = list(k.keys)
+        idx.insert(k, engine)
+        idx.set_limit(engine, limit)
+        order = [key for key in want.get(engine, []) if key not in seq] + seq
+        want[engine] = order[max(0, len(order) - limit):]
+        assert list(idx._lru.get(engine, {})) == want[engine]
+    for engine, held in want.items():
+        bit = 1 << idx._bit[engine]
+        assert {key for key, mask in idx._owners.items() if mask & bit} == set(held)
