@@ -55,7 +55,7 @@ from .apply import ChildProblem, NameConflict, apply_object
 from .kube import Credentials, KubeClient, KubeError, from_kubeconfig, in_cluster
 from .models import RolloutPoolSpec, describe_spec_error, effective_values, parse_spec, pool_name_error
 from .names import API_VERSION, CONFIG_KEY, GROUP, KIND, MANAGER, PLURAL, POOL_LABEL, VERSION, PoolNames
-from .render import ENGINE_COMPONENT, PoolRef, build_config_map, render, token_from_secret
+from .render import ENGINE_COMPONENT, PROXY_REPLICAS, PoolRef, build_config_map, render, token_from_secret
 from .rollout import (
     DELETION_COST_ANNOTATION,
     DRAINED_DELETION_COST,
@@ -294,6 +294,7 @@ async def observe(
     sharded = pool.router.shards > 1
     engines = await kube.get("apps/v1", "Deployment", ref.namespace, names.engines)
     router = await kube.get("apps/v1", "StatefulSet" if sharded else "Deployment", ref.namespace, names.router)
+    proxy = await kube.get("apps/v1", "Deployment", ref.namespace, names.router_proxy) if sharded else None
     readings = None
     if sharded and pool.router.replicas:
         readings = await shard_readings(rt, ref, pool)
@@ -308,6 +309,8 @@ async def observe(
         router_ready_replicas=deployment_ready(router),
         router=status,
         router_error=error,
+        proxy_desired=PROXY_REPLICAS if sharded else 0,
+        proxy_ready_replicas=deployment_ready(proxy),
     )
     return obs, router_view(status) if status is not None else None, readings
 
@@ -338,6 +341,7 @@ def build_status(
         "healthyEngines": obs.router.healthy_engines if obs.router else None,
         "url": names.router_url(pool.router.port, rt.settings.cluster_domain),
         "shards": shards_view(readings) if readings is not None else None,
+        "proxy": {"desired": obs.proxy_desired, "ready": obs.proxy_ready_replicas} if obs.proxy_desired else None,
     }
     out["config"] = {
         "desiredGeneration": ref.generation,

@@ -716,6 +716,14 @@ class ShardView(_Model):
     error: str | None = Field(None, description="Why it did not answer.")
 
 
+class ProxyView(_Model):
+    """The HAProxy Deployment in front of the shards: clients of the pool's Service reach a shard only
+    through a ready proxy pod."""
+
+    desired: int
+    ready: int
+
+
 class RouterStatusView(_Model):
     ready: bool | None = Field(None, description="Router pod ready and /status reports ready (every shard's).")
     ready_replicas: int | None = None
@@ -723,6 +731,7 @@ class RouterStatusView(_Model):
     url: str | None = Field(None, description="In-cluster base URL of the router (OpenAI API); with shards, "
                             "the proxy in front of them.")
     shards: list[ShardView] | None = Field(None, description="Each router shard (router.shards > 1).")
+    proxy: ProxyView | None = Field(None, description="The shard proxy's pods (router.shards > 1).")
 
 
 class ConfigStatus(_Model):

@@ -147,6 +147,9 @@ class Observed:
     router_ready_replicas: int
     router: RouterStatus | None
     router_error: str | None = None
+    proxy_desired: int = 0
+    """Shard proxy pods wanted (router.shards > 1); 0 without shards."""
+    proxy_ready_replicas: int = 0
 
 
 def config_condition(obs: Observed) -> Cond:
@@ -178,16 +181,19 @@ def pool_conditions(obs: Observed, pending: Sequence[Pending] = ()) -> list[Cond
     applied = config.status
     engines_ok = obs.engines_ready >= obs.engines_desired
     router_pods_ok = obs.router_ready_replicas >= obs.router_desired
+    proxy_ok = obs.proxy_ready_replicas >= obs.proxy_desired
     rollout = (
         f"engines {obs.engines_ready}/{obs.engines_desired}, "
         f"router {obs.router_ready_replicas}/{obs.router_desired}"
     )
+    if obs.proxy_desired:
+        rollout += f", proxy {obs.proxy_ready_replicas}/{obs.proxy_desired}"
     router_missing = obs.router_desired and obs.router is None and router_pods_ok
     no_engines = (
         obs.router is not None and obs.engines_desired and obs.router.healthy_engines == 0 and engines_ok
     )
 
-    if not engines_ok or not router_pods_ok:
+    if not engines_ok or not router_pods_ok or not proxy_ok:
         reconciling = Cond(RECONCILING, True, "RollingOut", rollout)
     elif pending:
         reconciling = Cond(RECONCILING, True, pending[0].reason, pending[0].message)
@@ -209,6 +215,11 @@ def pool_conditions(obs: Observed, pending: Sequence[Pending] = ()) -> list[Cond
     elif not router_ok:
         reason = "RouterUnreachable" if obs.router is None else "RouterNotReady"
         ready = Cond(READY, False, reason, obs.router_error or "router not ready")
+    elif obs.proxy_desired and not obs.proxy_ready_replicas:
+        # The pool's Service selects the proxy pods: with none ready, no client reaches a shard,
+        # however healthy the shards are. One of two ready serves (Reconciling says the rest).
+        ready = Cond(READY, False, "ProxyNotReady",
+                     f"no shard proxy pod is ready ({rollout}): the pool's Service has no endpoint")
     elif not applied:
         ready = Cond(READY, False, "ConfigNotApplied", config.message)
     elif no_engines:

@@ -148,6 +148,11 @@ def _by_type(conds: list[Cond]) -> dict[str, Cond]:
          "RouterUnreachable"),
         ("no-healthy-engines", _obs(router=_router(2, healthy=0, ready=False)), "RouterNotReady", "Applied",
          "NoHealthyEngines"),
+        # Router shards: the pool's Service selects the proxy pods. None ready: not Ready, whatever
+        # the shards say; one of two: serving (Ready) while the other rolls out.
+        ("no-proxy-ready", _obs(proxy_desired=2, proxy_ready_replicas=0), "ProxyNotReady", "Applied", "RollingOut"),
+        ("one-proxy-of-two", _obs(proxy_desired=2, proxy_ready_replicas=1), "AllReady", "Applied", "RollingOut"),
+        ("all-good-sharded", _obs(proxy_desired=2, proxy_ready_replicas=2), "AllReady", "Applied", "Reconciled"),
     ],
     ids=lambda v: v if isinstance(v, str) else None,
 )
@@ -157,8 +162,16 @@ def test_pool_conditions(case: str, obs: Observed, ready_reason: str, config: st
     assert conds["Ready"].status is (ready_reason == "AllReady")
     assert conds["ConfigApplied"].reason == config
     assert conds["Reconciling"].reason == reconciling
-    assert conds["Reconciling"].status is (case != "all-good")
+    assert conds["Reconciling"].status is not case.startswith("all-good")
     assert conds["Stalled"].status is False  # a clean apply never stalls
+
+
+def test_the_proxy_count_is_named_in_the_rollout_message() -> None:
+    conds = _by_type(pool_conditions(_obs(proxy_desired=2, proxy_ready_replicas=0)))
+    assert conds["Reconciling"].message == "engines 2/2, router 1/1, proxy 0/2"
+    assert "proxy 0/2" in conds["Ready"].message and "no endpoint" in conds["Ready"].message
+    # Without shards there is no proxy to count.
+    assert "proxy" not in _by_type(pool_conditions(_obs(engines_ready=1)))["Reconciling"].message
 
 
 def test_pending_steps_keep_reconciling_and_only_blocking_ones_clear_ready() -> None:

@@ -176,6 +176,15 @@ async def test_a_sharded_pool_renders_pushes_to_every_shard_and_combines_their_s
         ready = condition(pool(), "Ready")
         assert ready["status"] == "False"
 
+        # -- the proxy's pods: read from its Deployment (the controller is not emulated) --------------------
+        assert status["router"]["proxy"] == {"desired": 2, "ready": 0}
+        assert "proxy 0/2" in condition(pool(), "Reconciling")["message"]
+        await api_call(http, "PATCH", f"/apis/apps/v1/namespaces/{NS}/deployments/mixed-pool-router-proxy/status",
+                       {"status": {"readyReplicas": 1}}, "application/merge-patch+json")
+        await waiter(lambda: ((pool() or {}).get("status") or {}).get("router", {}).get("proxy") == {
+            "desired": 2, "ready": 1}, WAIT_S, "proxy readiness")
+        assert "proxy 1/2" in condition(pool(), "Reconciling")["message"]
+
 
 async def test_shards_without_a_single_router_replica_are_refused_with_the_manifest_path(
     k8s: Any, fresh_kopf_registry: kopf.OperatorRegistry, waiter: Callable[..., Any], mixed_pool: dict[str, Any],
