@@ -137,6 +137,10 @@ POLICY_VARIANTS: dict[str, PolicySettings] = {
                                                   footprint=FootprintSettings(statistic="occupancy")),
     "session-admission-longest-first": PolicySettings(
         name=PolicyName.SESSION_ADMISSION, admission=SessionAdmissionSettings(release_order="longest-first")),
+    # The hit guard with a long memory: h* decays 1.2% a minute instead of 2% an epoch, so a hit
+    # rate that sinks slowly as sessions pile up still reads as degraded (docs/policy.md).
+    "session-admission-hit-memory": PolicySettings(
+        name=PolicyName.SESSION_ADMISSION, admission=SessionAdmissionSettings(healthy_hit_decay=0.9999)),
 }
 """Policies under test by name, each run at the high ceiling with no per-cell tuning. Add a
 variant here (a T-shape, a footprint estimator) and name it in ``--policies``; a variant equal
