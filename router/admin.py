@@ -88,7 +88,9 @@ async def reset_prefix_caches(state: RouterState) -> dict[str, str]:
         except (aiohttp.ClientError, TimeoutError) as exc:
             return f"failed: {type(exc).__name__}"
 
-    engines = [e for e, snap in state.registry.snapshots().items() if snap.healthy]
+    snaps = state.registry.snapshots()
+    # Owned only: an engine being handed back is reset by its owner (every shard gets the call).
+    engines = [e for e in state.registry.owned_ids() if snaps[e].healthy]
     results = await asyncio.gather(*(one(e) for e in engines))
     state.prefix_caches_reset()
     return dict(zip(engines, results, strict=True))
@@ -231,7 +233,7 @@ async def handle_resume(request: web.Request) -> web.Response:
     mode = state.pause_mode
     reset_results = await reset_prefix_caches(state) if reset else None
     if version is not None:
-        state.record_weight_version(state.registry.ids(), version)
+        state.record_weight_version(state.registry.owned_ids(), version)
     if state.engines_paused:
         # The engines an abort paused through vLLM's /pause schedule again before held work goes.
         resumed = await call_engines(state, sorted(state.engines_paused), "POST", ENGINE_RESUME_PATH,
@@ -252,7 +254,7 @@ async def handle_engine_op(request: web.Request) -> web.Response:
     if op not in ENGINE_OPS:
         raise NotFound(f"unknown engine operation {op!r}; known: {list(ENGINE_OPS)} and 'call'",
                        param="op", code="unknown_engine_op")
-    results = await call_engines(state, state.registry.ids(), "POST", "/" + op,
+    results = await call_engines(state, state.registry.owned_ids(), "POST", "/" + op,
                                  query=request.query, timeout=_control_timeout(state.config))
     if op == "reset_prefix_cache" and any(_ok(r) for r in results.values()):
         state.prefix_caches_reset()
@@ -301,7 +303,8 @@ async def handle_engine_call(request: web.Request) -> web.Response:
     state = require_admin(request)
     call = _parse_call(await read_body(request, state.config.max_body_bytes))
     query = {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in call.query.items()}
-    results = await call_engines(state, state.registry.ids(), call.method, call.path, query=query,
+    # Owned only, so each engine gets a fanned-out call once (never twice during a hand-back).
+    results = await call_engines(state, state.registry.owned_ids(), call.method, call.path, query=query,
                                  body=call.body, timeout=_control_timeout(state.config))
     if call.weight_version is not None:
         state.record_weight_version([e for e, r in results.items() if _ok(r)], call.weight_version)

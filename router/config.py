@@ -119,6 +119,14 @@ class ShardsConfig(_Frozen):
         1, ge=1,
         description="Consecutive passed checks after which a returning shard gets its engines back.",
     )
+    handback_idle_s: float = Field(
+        60.0, ge=0.0,
+        description="When a peer shard returns, the engines it takes back stay this shard's for the "
+        "sessions it placed there (their next turns still go there, no new session does) until none "
+        "of them has had a request for this long (project default: an agent's tool call between two "
+        "turns; the sessions that moved to the returning shard stop arriving). 0: hand engines back "
+        "at once (each of those sessions then re-prefills on this shard's own engines).",
+    )
 
     @model_validator(mode="after")
     def _urls(self) -> ShardsConfig:

@@ -152,8 +152,17 @@ class Dispatcher:
                 "retry later")
 
     def _draining(self) -> frozenset[str]:
-        """Engines the config marks draining: new sessions go elsewhere (runner.py)."""
-        return self._config().engines.draining_ids()
+        """Engines that take no new session (runner.py): those the config marks draining, and
+        those this shard hands back to a returning peer (``EngineRegistry.handing_back``)."""
+        configured = self._config().engines.draining_ids()
+        handing_back = self._registry.handing_back
+        return configured | handing_back if handing_back else configured
+
+    def settle_hand_backs(self) -> None:
+        """Drop the handed-back engines whose drain is over (``EngineRegistry.settle_hand_backs``)."""
+        if self._registry.handing_back:
+            for _, how in self._registry.settle_hand_backs(self._runner.last_active_per_engine(self._clock())):
+                self._metrics.hand_backs.labels(how).inc()
 
     def _give_up(self, meta: RequestMeta, held_since: float, outcome: str) -> None:
         self._waiters.pop(meta.request_id, None)
@@ -178,6 +187,8 @@ class Dispatcher:
             self._idle.set()
         now = self._clock()
         self._runner.finish(meta, engine_id, completion, now)
+        if engine_id in self._registry.handing_back:
+            self.settle_hand_backs()
         self._metrics.finished(meta.workload_class, outcome)
         self._metrics.used(meta.workload_class, completion)
         self._observe_units(now)
@@ -203,6 +214,7 @@ class Dispatcher:
     def end_session(self, session_id: str) -> bool:
         now = self._clock()
         ended = self._runner.end_session(session_id, now)
+        self.settle_hand_backs()
         self._observe_units(now)
         self.kick()
         return ended
@@ -225,6 +237,7 @@ class Dispatcher:
     def epoch(self) -> int:
         now = self._clock()
         released = self._runner.epoch(self._registry.snapshots(), now, self._draining())
+        self.settle_hand_backs()  # after idle sessions ended; a drain's sessions may have gone quiet
         self._observe_units(now)
         return self._resolve(released, now)
 

@@ -7,6 +7,13 @@ rotation (failed health checks, a connection error while proxying, or gone
 from the config/DNS) and when one comes back, so the owner can release the
 policy's accounting (``runner.remove_engine``) and re-check held work.
 
+Router shards (``sharding.py``) filter the engines through an ownership
+function. An engine a returning peer takes back while it is still in the pool
+can be *handed back* with a drain instead of dropped: it stays here, probed
+and scraped, for the sessions this router placed on it (the policy runner
+treats it as draining: continuations only) until ``settle_hand_backs`` finds
+none of them active any more.
+
 Engine ids are base URLs without a trailing slash (``http://10.0.0.5:8000``).
 Engines start out of rotation until their first health check passes.
 """
@@ -20,6 +27,7 @@ import socket
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import Literal
 
 from .config import ServiceRef
 from .policy.types import EngineSnapshot
@@ -31,6 +39,9 @@ Clock = Callable[[], float]
 EngineCallback = Callable[[str], None]
 OwnershipFilter = Callable[[list[str]], list[str]]
 """The known engine ids (in order) -> those this router owns."""
+HandBackEnd = Literal["drained", "idle"]
+"""How the drain of a handed-back engine ended: no session of this router left on it, or none
+with a request in the last ``hand_back_idle_s`` (they moved to their home shard, or pause long)."""
 
 
 @dataclass(slots=True)
@@ -67,6 +78,12 @@ class EngineRegistry:
         self._engines: dict[str, EngineState] = {}
         self._known: list[str] = []
         self._owns: OwnershipFilter | None = None
+        self.hand_back_idle_s = 0.0
+        """``shards.handback_idle_s``: an engine this router stops owning (but the pool still has)
+        is kept while a session placed on it had a request within this long; 0 drops it at once."""
+        self.handing_back: frozenset[str] = frozenset()
+        """Engines held only to finish this router's sessions on them (not owned; not admin targets)."""
+        self._hand_back_since: dict[str, float] = {}
         self._snapshot: Mapping[str, EngineSnapshot] | None = None
         self.changed = asyncio.Event()
         """Set whenever the set of engines changes (the probe supervisor waits on it)."""
@@ -89,25 +106,79 @@ class EngineRegistry:
 
     def set_engines(self, engine_ids: Iterable[str]) -> tuple[list[str], list[str]]:
         """Make the registry hold exactly ``engine_ids`` (those this router owns of them, when an
-        ownership filter is set); returns (added, removed)."""
+        ownership filter is set, plus those it hands back with a drain); returns (added, no longer
+        owned: dropped, or handed back)."""
         self._known = list(dict.fromkeys(engine_ids))
         wanted = self._owns(self._known) if self._owns is not None else list(self._known)
+        wanted_set, known = set(wanted), set(self._known)
+        # An engine handed back and owned again is simply owned again (its state and books kept).
+        reclaimed = [e for e in wanted if e in self.handing_back]
         added = [e for e in wanted if e not in self._engines]
-        removed = [e for e in self._engines if e not in set(wanted)]
+        gone = [e for e in self._engines if e not in wanted_set]
+        # Handed back with a drain: still in the pool, and this router may keep it for its sessions.
+        drained = [e for e in gone if e in known and (e in self.handing_back or self.hand_back_idle_s > 0)]
+        removed = [e for e in gone if e not in set(drained)]
+        starting = [e for e in drained if e not in self.handing_back]
+        self.handing_back = (self.handing_back - set(reclaimed) - set(removed)) | set(starting)
         for e in added:
             self._engines[e] = EngineState(e)
             log.info("engine added: %s", e)
+        for e in reclaimed:
+            self._hand_back_since.pop(e, None)
+            log.info("engine owned again before its hand-back ended: %s", e)
         for e in removed:
+            self._hand_back_since.pop(e, None)
             del self._engines[e]
             log.info("engine removed: %s", e)
             self._on_removed(e)
-        if added or removed:
+        for e in starting:
+            self._hand_back_since[e] = self._clock()
+            log.info("engine handed back, draining this router's sessions on it: %s", e)
+        if added or removed or reclaimed or starting:
             self._invalidate()
             self.changed.set()
-        return added, removed
+        return added, removed + starting
+
+    def settle_hand_backs(self, last_active: Mapping[str, float]) -> list[tuple[str, HandBackEnd]]:
+        """End the drains that are over. ``last_active``: per engine, when a session of this
+        router placed on it last had a request (now, for one in flight); an engine absent from it
+        has none left. A handed-back engine is dropped (its books released through
+        ``on_removed``) when it has no session left (``drained``) or none active within
+        ``hand_back_idle_s`` of now, the hand-back's start counting as activity (``idle``: those
+        sessions' next turns, if any, go to this router's own engines). Returns the engines
+        dropped, with how their drain ended."""
+        if not self.handing_back:
+            return []
+        now = self._clock()
+        ended: list[tuple[str, HandBackEnd]] = []
+        for e in sorted(self.handing_back):
+            last = last_active.get(e)
+            if last is None:
+                ended.append((e, "drained"))
+            elif now - max(last, self._hand_back_since.get(e, now)) >= self.hand_back_idle_s:
+                ended.append((e, "idle"))
+        if not ended:
+            return []
+        self.handing_back = self.handing_back - {e for e, _ in ended}
+        for e, how in ended:
+            self._hand_back_since.pop(e, None)
+            del self._engines[e]
+            log.info("engine hand-back ended (%s), removed: %s", how, e)
+        self._invalidate()
+        self.changed.set()
+        for e, _ in ended:
+            self._on_removed(e)
+        return ended
 
     def ids(self) -> list[str]:
+        """Every engine held: owned, and handed back but still draining (probed, scraped, placed on)."""
         return list(self._engines)
+
+    def owned_ids(self) -> list[str]:
+        """The engines this router owns: the targets of engine-wide calls and what it reports."""
+        if not self.handing_back:
+            return list(self._engines)
+        return [e for e in self._engines if e not in self.handing_back]
 
     def get(self, engine_id: str) -> EngineState | None:
         return self._engines.get(engine_id)
@@ -156,7 +227,8 @@ class EngineRegistry:
             self._on_down(st.engine_id)
 
     def healthy_count(self) -> int:
-        return sum(1 for st in self._engines.values() if st.healthy)
+        """Healthy engines this router owns (one being handed back is its new owner's to count)."""
+        return sum(1 for e, st in self._engines.items() if st.healthy and e not in self.handing_back)
 
     # ---- metrics --------------------------------------------------------
 

@@ -184,6 +184,13 @@ class RouterMetrics:
             "misat_weight_version_changes", "Changes of an engine's recorded weight version.",
             ["engine"], registry=r,
         )
+        self.hand_backs = Counter(
+            "misat_engine_hand_backs",
+            "Engines a router shard handed back to a returning peer, by how the drain of its own "
+            "sessions there ended (drained: none left; idle: none with a request within "
+            "shards.handback_idle_s).",
+            ["outcome"], registry=r,
+        )
         r.register(_StateCollector(snapshot))
         self._per_request = per = _PerRequestSeries()
         r.register(per)

@@ -65,11 +65,12 @@ def combine_shards(readings: Sequence[ShardReading]) -> RouterStatus | None:
     ]
     seen: set[str] = set()
     engines = []
-    for st in up:  # disjoint by ownership; a re-homing in progress may list one twice for a moment
-        for e in st.engines:
-            if e.id not in seen:
-                seen.add(e.id)
-                engines.append(e)
+    # Disjoint by ownership, but for an engine being handed back (listed by its owner and by the
+    # shard draining its sessions there: the owner's row wins) and for the moment of a re-homing.
+    for e in sorted((e for st in up for e in st.engines), key=lambda e: e.handing_back):
+        if e.id not in seen:
+            seen.add(e.id)
+            engines.append(e)
     held_by_reason: dict[str, int] = {}
     for st in up:
         for reason, n in st.held_by_reason.items():

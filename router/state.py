@@ -102,6 +102,7 @@ class RouterState:
         self.peers: PeerLiveness | None = None
         if config.shards is not None and shard_index is not None:
             self.peers = PeerLiveness(len(config.shards.peers), shard_index)
+            self.registry.hand_back_idle_s = config.shards.handback_idle_s
             self.registry.set_ownership(self._owned)
         urls = config.engines.static_urls()
         if urls is not None:
@@ -171,7 +172,9 @@ class RouterState:
             self.upstream_pool.read_timeout_s = new.upstream_timeout_s
         if old.shards != new.shards and new.shards is not None and self.peers is not None:
             self.peers.resize(len(new.shards.peers))
+            self.registry.hand_back_idle_s = new.shards.handback_idle_s
             self.registry.refilter()
+            self.dispatcher.settle_hand_backs()
         if old.engines != new.engines:
             urls = new.engines.static_urls()
             if urls is not None:
@@ -296,6 +299,7 @@ class RouterState:
             added, removed = self.registry.refilter()
             log.warning("shard %d %s: engines taken over %s, handed back %s", peer,
                         "is back" if ok else f"is down ({error})", added or "none", removed or "none")
+            self.dispatcher.settle_hand_backs()  # engines with none of this shard's sessions go at once
             self.dispatcher.kick()
             self.touch()
 
@@ -304,7 +308,8 @@ class RouterState:
             return None
         return ShardStatus(
             index=self.shard_index, count=self.peers.shards, live=sorted(self.peers.live()),
-            owned_engines=self.registry.ids(), known_engines=len(self.registry.known_ids()),
+            owned_engines=self.registry.owned_ids(), handing_back=sorted(self.registry.handing_back),
+            known_engines=len(self.registry.known_ids()),
         )
 
     def on_scraped(self) -> None:

@@ -85,6 +85,11 @@ class EngineStatus(BaseModel):
     last_scrape_age_s: float | None
     last_error: str | None
     draining: bool = Field(False, description="Takes no new sessions (config engines.draining).")
+    handing_back: bool = Field(
+        False,
+        description="Handed back to a returning shard: this shard only finishes its sessions there "
+        "(shards.handback_idle_s); the new owner reports it in full.",
+    )
     sessions: int = Field(0, description="Live sessions pinned to the engine.")
     weight_version: str | None = Field(
         None, description="Weight version recorded for the engine (/admin/resume?weight_version=, "
@@ -120,6 +125,11 @@ class ShardStatus(BaseModel):
     count: int = Field(description="Shards in the pool (len(shards.peers)).")
     live: list[int] = Field(description="Shards this one sees alive (itself included).")
     owned_engines: list[str] = Field(description="Engines this shard owns and admits against.")
+    handing_back: list[str] = Field(
+        default_factory=list,
+        description="Engines handed back to a returning shard that still finish this shard's sessions "
+        "on them (continuations only; shards.handback_idle_s).",
+    )
     known_engines: int = Field(description="Engines of the whole pool (config or DNS).")
 
 
@@ -236,7 +246,8 @@ def build_status(
         st = registry.get(eid)
         assert st is not None
         m = st.metrics
-        if m is not None:
+        handing_back = eid in registry.handing_back
+        if m is not None and not handing_back:  # counted by its owner
             hits += m.prefix_hits_total
             queries += m.prefix_queries_total
         engines.append(
@@ -256,6 +267,7 @@ def build_status(
                 last_scrape_age_s=(now - st.scraped_at) if m else None,
                 last_error=st.last_error,
                 draining=eid in draining_ids,
+                handing_back=handing_back,
                 sessions=sessions_per_engine.get(eid, 0),
                 weight_version=(weight_versions or {}).get(eid),
             )

@@ -21,6 +21,7 @@ Pure like the policies: no clock (``now`` is passed in), no I/O.
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Iterable, Set
 from dataclasses import dataclass
@@ -281,6 +282,17 @@ class PolicyRunner:
         for rec in self.sessions.values():
             if rec.engine_id is not None:
                 out[rec.engine_id] = out.get(rec.engine_id, 0) + 1
+        return out
+
+    def last_active_per_engine(self, now: float) -> dict[str, float]:
+        """Per engine with live sessions pinned to it: when one of them last had a request
+        (``now`` while one is in flight)."""
+        out: dict[str, float] = {}
+        for rec in self.sessions.values():
+            if rec.engine_id is not None:
+                t = now if rec.in_flight else rec.last_activity
+                if t > out.get(rec.engine_id, -math.inf):
+                    out[rec.engine_id] = t
         return out
 
     def active_sessions(self) -> dict[str, int]:

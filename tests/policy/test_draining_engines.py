@@ -80,3 +80,22 @@ def test_draining_urls_are_validated_and_normalised() -> None:
     assert EnginesConfig(service=ServiceRef(name="pool-engines")).draining_ids() == frozenset()
     with pytest.raises(ValueError, match=r"draining\[0\]"):
         EnginesConfig(service=ServiceRef(name="pool-engines"), draining=("10.0.0.2:8000",))
+
+
+def test_last_activity_per_engine_is_the_latest_turn_of_its_sessions_and_now_while_one_runs() -> None:
+    """What a router shard reads to decide that an engine it hands back has gone quiet."""
+    runner = PolicyRunner(build_policy(PolicySettings(name=PolicyName.SESSION_ADMISSION), MIX), MIX)
+    one = {"e0": ENGINES["e0"]}
+    a0, b0 = _turn("a", 0, 0), _turn("b", 0, 1)
+    runner.submit(a0, one, 1.0)
+    runner.finish(a0, "e0", DONE, 2.0)
+    runner.submit(b0, one, 3.0)
+    runner.finish(b0, "e0", DONE, 5.0)
+    assert runner.last_active_per_engine(10.0) == {"e0": 5.0}
+    a1 = _turn("a", 1, 2)
+    runner.submit(a1, one, 11.0)
+    assert runner.last_active_per_engine(12.0) == {"e0": 12.0}  # in flight: active now
+    runner.finish(a1, "e0", DONE, 13.0)
+    runner.end_session("a", 13.0)
+    runner.end_session("b", 13.0)
+    assert runner.last_active_per_engine(14.0) == {}  # no session left there

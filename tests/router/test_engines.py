@@ -79,6 +79,77 @@ def test_registry_health_transitions_and_snapshots() -> None:
     assert calls.removed == ["http://a"] and list(reg.snapshots()) == ["http://b"]
 
 
+class Owns:
+    """An ownership filter the test switches (router shards' ``owned_engines``, by hand)."""
+
+    def __init__(self, mine: set[str]) -> None:
+        self.mine = mine
+
+    def __call__(self, known: list[str]) -> list[str]:
+        return [e for e in known if e in self.mine]
+
+
+def sharded_registry(idle_s: float) -> tuple[EngineRegistry, Calls, Owns, list[float]]:
+    c, now = Calls(), [0.0]
+    reg = EngineRegistry(lambda: now[0], on_down=c.down.append, on_up=c.up.append,
+                         on_removed=c.removed.append)
+    reg.hand_back_idle_s = idle_s
+    owns = Owns({"http://a", "http://b", "http://c"})
+    reg.set_ownership(owns)
+    reg.set_engines(["http://a", "http://b", "http://c"])
+    return reg, c, owns, now
+
+
+def test_an_engine_handed_back_drains_its_sessions_before_it_is_dropped() -> None:
+    reg, calls, owns, now = sharded_registry(idle_s=30.0)
+    reg.record_health("http://b", True, down_after=2, up_after=1)
+    reg.record_metrics("http://b", VllmMetrics(kv_capacity_tokens=10), 1.0)
+    now[0] = 5.0
+    owns.mine = {"http://a"}  # a peer came back: b and c are its again
+    added, removed = reg.refilter()
+    assert (added, removed) == ([], ["http://b", "http://c"])
+    assert reg.handing_back == {"http://b", "http://c"} and calls.removed == []
+    assert reg.ids() == ["http://a", "http://b", "http://c"]  # still probed, scraped, placed on
+    assert reg.owned_ids() == ["http://a"] and reg.healthy_count() == 0  # b is its owner's to count
+    assert reg.refilter() == ([], [])  # a second look starts nothing again
+
+    now[0] = 10.0  # b's sessions: one active at 2 (before the hand-back), c: none left
+    assert reg.settle_hand_backs({"http://b": 2.0}) == [("http://c", "drained")]
+    assert calls.removed == ["http://c"] and reg.handing_back == {"http://b"}
+    now[0] = 34.9  # the hand-back's start (5) counts as activity: not yet 30 s quiet
+    assert reg.settle_hand_backs({"http://b": 2.0}) == []
+    assert reg.settle_hand_backs({"http://b": 20.0}) == []  # a turn at 20 keeps it longer
+    now[0] = 50.0
+    assert reg.settle_hand_backs({"http://b": 20.0}) == [("http://b", "idle")]
+    assert calls.removed == ["http://c", "http://b"] and reg.ids() == ["http://a"]
+    assert reg.handing_back == frozenset()
+
+
+def test_an_engine_owned_again_mid_drain_keeps_its_state_and_one_gone_is_dropped_at_once() -> None:
+    reg, calls, owns, now = sharded_registry(idle_s=30.0)
+    reg.record_health("http://b", True, down_after=2, up_after=1)
+    owns.mine = {"http://a"}
+    reg.refilter()
+    owns.mine = {"http://a", "http://b", "http://c"}  # the peer went down again before the drain ended
+    assert reg.refilter() == ([], [])
+    assert reg.handing_back == frozenset() and reg.owned_ids() == ["http://a", "http://b", "http://c"]
+    assert reg.snapshots()["http://b"].healthy and calls.removed == []  # never dropped, state kept
+    now[0] = 100.0  # owned: no drain to end, sessions or not
+    assert reg.settle_hand_backs({}) == [] and calls.removed == []
+
+    owns.mine = {"http://a"}
+    reg.refilter()
+    reg.set_engines(["http://a", "http://b"])  # c left the pool mid-drain: gone at once
+    assert calls.removed == ["http://c"] and reg.handing_back == {"http://b"}
+
+
+def test_without_a_drain_an_engine_handed_back_is_dropped_at_once() -> None:
+    reg, calls, owns, _ = sharded_registry(idle_s=0.0)
+    owns.mine = {"http://a"}
+    assert reg.refilter() == ([], ["http://b", "http://c"])
+    assert calls.removed == ["http://b", "http://c"] and reg.handing_back == frozenset()
+
+
 def test_engine_url_brackets_ipv6() -> None:
     assert engine_url("http", "10.0.0.1", 8000) == "http://10.0.0.1:8000"
     assert engine_url("http", "fd00::1", 8000) == "http://[fd00::1]:8000"

@@ -151,7 +151,8 @@ async def test_a_shard_admits_only_on_its_engines_and_takes_over_a_dead_peers(
                     assert resp.headers["X-Misat-Engine"] in mine
             async with http.get(server.url + '/status') as resp:
                 shard = (await resp.json())["shard"]
-        assert shard == {"index": 1, "count": 2, "live": [0, 1], "owned_engines": mine, "known_engines": 4}
+        assert shard == {"index": 1, "count": 2, "live": [0, 1], "owned_engines": mine, "handing_back": [],
+                         "known_engines": 4}
         assert engines[0].generations == engines[2].generations == 0
 
         state.peer_checked(0, False, "refused")
@@ -160,6 +161,71 @@ async def test_a_shard_admits_only_on_its_engines_and_takes_over_a_dead_peers(
         await state.wait_until(lambda: state.registry.healthy_count() == 4, WAIT_S)
         state.peer_checked(0, True)  # peer_up_after_successes (1): its engines go back
         assert state.registry.ids() == mine
+    finally:
+        await server.stop()
+
+
+async def test_a_returning_peers_engines_finish_this_shards_sessions_before_they_go(
+    engines: list[FakeEngine],
+) -> None:
+    urls = [e.url for e in engines[:4]]
+    # Peer 0 refuses connections (its one probe at start fails, which alone moves nothing);
+    # the test drives its liveness through peer_checked.
+    config = router_config(urls, policy=None, shards={
+        "peers": ["http://127.0.0.1:1", "http://127.0.0.1:9101"], "peer_probe_interval_s": 3600.0})
+    server = await start_service(create_app(config, admin_token="t", shard_index=1))
+    state: RouterState = server.app[STATE]
+    mine, theirs = {urls[1], urls[3]}, {urls[0], urls[2]}
+
+    async def turn(http: aiohttp.ClientSession, sid: str, t: int, end: bool = False,
+                   workload_class: str = "agentic", context_of: str | None = None) -> str:
+        # Each turn's prompt extends the last (an agent's context): the session's prefix is on
+        # the engine that served it. ``context_of``: the prompt of another session's turn.
+        prompt = [int((context_of or sid)[1:]) * 1000 + i for i in range(64 * (t + 1))]
+        headers = {"X-Rollout-Class": workload_class, "X-Session-Id": sid, "X-Session-Turn": str(t)}
+        if end:
+            headers["X-Session-End"] = "1"
+        async with http.post(server.url + "/v1/completions", headers=headers,
+                             json={"model": MODEL, "prompt": prompt, "max_tokens": 2}) as resp:
+            assert resp.status == 200, await resp.text()
+            return resp.headers["X-Misat-Engine"]
+
+    try:
+        state.peer_checked(0, False, "refused")
+        state.peer_checked(0, False, "refused")  # down: all four are this shard's
+        await state.wait_until(lambda: state.registry.healthy_count() == 4, WAIT_S)
+        async with aiohttp.ClientSession() as http:
+            placed = {f"s{k}": await turn(http, f"s{k}", 0) for k in range(8)}
+            on_theirs = {sid: e for sid, e in placed.items() if e in theirs}
+            assert on_theirs, placed  # the takeover put sessions on the peer's engines
+
+            state.peer_checked(0, True)  # back: its engines are handed back, with a drain
+            assert state.registry.owned_ids() == [urls[1], urls[3]]
+            assert state.registry.handing_back == set(on_theirs.values())
+            for sid, engine in on_theirs.items():  # continuations finish where their KV is
+                assert await turn(http, sid, 1) == engine
+            for sid, engine in placed.items():  # the sessions on its own engines end (room for more)
+                if engine in mine:
+                    await turn(http, sid, 1, end=True)
+            for k, sid in enumerate(on_theirs, start=20):
+                # A new session goes to this shard's own engines, even one whose prompt is
+                # cached only on an engine being handed back.
+                assert await turn(http, f"s{k}", 1, end=True, context_of=sid) in mine
+                assert await turn(http, f"s{k + 10}", 1, workload_class="rlvr", context_of=sid) in mine
+            async with http.get(server.url + "/status") as resp:
+                body = await resp.json()
+            assert body["shard"]["owned_engines"] == [urls[1], urls[3]]
+            assert body["shard"]["handing_back"] == sorted(set(on_theirs.values()))
+            assert {e["id"] for e in body["engines"] if e["handing_back"]} == set(on_theirs.values())
+            assert body["healthy_engines"] == 2
+
+            for sid in on_theirs:  # the sessions end: the drain is over and the engines go
+                await turn(http, sid, 2, end=True)
+            assert state.registry.ids() == [urls[1], urls[3]] and state.registry.handing_back == set()
+            async with http.get(server.url + "/metrics") as resp:
+                metrics = await resp.text()
+        drained = len(set(on_theirs.values()))
+        assert f'misat_engine_hand_backs_total{{outcome="drained"}} {float(drained)}' in metrics
     finally:
         await server.stop()
 

@@ -34,6 +34,9 @@ WAIT_S = 20.0
 """Bound of every wait (shard start-up on a shared 2-core machine included)."""
 N_ENGINES, N_SHARDS = 6, 3
 PEER_PROBES = {"peer_probe_interval_s": 0.1, "peer_probe_timeout_s": 0.5, "peer_down_after_failures": 2}
+HANDBACK_IDLE_S = 4.0
+"""Quiet time after which a survivor hands back an engine whose sessions moved (the project default
+is a minute; the test's turns follow each other within it, on a shared 2-core machine included)."""
 POLL_S = 0.05
 """Spacing of the bounded polls of what only shows in answers (the proxy's view of a shard)."""
 
@@ -256,3 +259,73 @@ async def test_a_shard_killed_under_load_loses_no_request_and_its_return_reattac
     await c.close()
     print(f"shard kill: {answered} requests answered, 0 lost, {len(moved)} of {len(on_one)} sessions of "
           f"shard 1 moved, {redispatched} requests redispatched by the proxy, 0 client retries")
+
+
+@pytest.fixture
+async def roomy_engines() -> AsyncIterator[list[FakeEngine]]:
+    """Engines with room for a few dozen agentic sessions (the default fake engine holds 1K tokens)."""
+    started = [FakeEngine(f"e{i}", num_gpu_blocks=1 << 16) for i in range(N_ENGINES)]
+    for e in started:
+        await e.start()
+    yield started
+    for e in started:
+        await e.close()
+
+
+@pytest.fixture
+async def cache_shards(roomy_engines: list[FakeEngine], tmp_path: Path) -> AsyncIterator[ShardSet]:
+    """Shards running the project's default policy, which keeps a session's turns where its
+    prefix is cached (the fixture above runs round-robin, which has no such affinity)."""
+    config = router_config([e.url for e in roomy_engines], policy=None, hold_deadline_s=15.0)
+    async with shard_set(config, N_SHARDS, tmp_path, admin_token="t", handback_idle_s=HANDBACK_IDLE_S,
+                         **PEER_PROBES) as s:
+        yield s
+
+
+async def context_turn(c: openai.AsyncOpenAI, k: int, t: int, end: bool = False) -> tuple[int, str]:
+    """Turn ``t`` of agentic session ``k``: its prompt extends the last turn's (the session's
+    prefix is cached where it ran)."""
+    headers = {"X-Rollout-Class": "agentic", "X-Session-Id": f"r{k}", "X-Session-Turn": str(t)}
+    if end:
+        headers["X-Session-End"] = "1"
+    raw = await c.completions.with_raw_response.create(
+        model=MODEL, prompt=[k * 1000 + i for i in range(64 * (t + 1))], max_tokens=2, extra_headers=headers)
+    return int(raw.headers[SHARD_HEADER]), raw.headers["X-Misat-Engine"]
+
+
+async def test_a_returning_shard_takes_its_engines_back_without_moving_the_survivors_sessions(
+    cache_shards: ShardSet,
+) -> None:
+    s = cache_shards
+    steady = await wait_ownership(s, [0, 1, 2])
+    s.kill_shard(1)
+    await wait_ownership(s, [0, 2])
+    c = client(s, Attempts())
+    n = 24
+    # Sessions that start while shard 1 is down, over the survivors' engines (its own among them).
+    before = await asyncio.gather(*(context_turn(c, k, 0) for k in range(n)))
+    again = await asyncio.gather(*(context_turn(c, k, 1) for k in range(n)))
+    assert again == before  # the policy keeps each session's turns on its engine
+
+    await s.start_shard(1)
+    assert await wait_ownership(s, [0, 1, 2]) == steady  # its engines are its own again
+    theirs = set(steady[1])
+    after = await asyncio.gather(*(context_turn(c, k, 2) for k in range(n)))
+    # A survivor's session (its shard did not change) kept its engine, even one of shard 1's:
+    # the survivor hands those back only once its sessions there are done.
+    stayed = [k for k in range(n) if after[k][0] == before[k][0]]
+    kept_there = [k for k in stayed if before[k][1] in theirs]
+    assert kept_there, (before, after)  # not vacuous: sessions continued on a handed-back engine
+    assert [k for k in stayed if after[k][1] != before[k][1]] == []
+    draining = await shard_statuses(s, [0, 2])
+    assert {e for v in draining.values() for e in v["handing_back"]} == {before[k][1] for k in kept_there}
+
+    await asyncio.gather(*(context_turn(c, k, 3, end=True) for k in range(n)))
+    # The survivors' sessions ended; those that moved to shard 1 just stop arriving: the drains end
+    # (HANDBACK_IDLE_S after those sessions' last turns there) and the engines go.
+    async with asyncio.timeout(WAIT_S):
+        while any(v["handing_back"] for v in (await shard_statuses(s, [0, 2])).values()):
+            await asyncio.sleep(POLL_S)  # bounded poll of other processes' views
+    await c.close()
+    print(f"shard return: {len(stayed)} of {n} sessions stayed on their shard, {len(kept_there)} of them "
+          f"on the returning shard's engines; 0 changed engine")
