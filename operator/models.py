@@ -712,6 +712,9 @@ class ShardView(_Model):
     generation: int | None = Field(None, description="Config generation the shard reports applied.")
     healthy_engines: int | None = None
     owned_engines: int | None = Field(None, description="Engines it owns now (more while a peer is down).")
+    handing_back_engines: int | None = Field(
+        None, description="Engines it handed back to a returning shard and still finishes its sessions on."
+    )
     live_shards: list[int] | None = Field(None, description="Shards it sees alive (itself included).")
     error: str | None = Field(None, description="Why it did not answer.")
 

@@ -297,6 +297,7 @@ def shards_view(readings: Sequence[ShardReading]) -> list[dict[str, Any]]:
             "generation": st.generation if st else None,
             "healthyEngines": st.healthy_engines if st else None,
             "ownedEngines": len(st.shard.owned_engines) if st and st.shard else None,
+            "handingBackEngines": len(st.shard.handing_back) if st and st.shard else None,
             "liveShards": st.shard.live if st and st.shard else None,
             "error": r.error,
         })

@@ -64,6 +64,22 @@ def test_shards_combine_by_counts_and_one_down_makes_the_pool_not_ready() -> Non
     assert view[0]["ownedEngines"] == 2 and view[2]["error"] == "GET /status: refused"
 
 
+def test_an_engine_being_handed_back_is_the_owners_in_the_pool_view() -> None:
+    # Shard 0 hands e1 back to shard 1 and still finishes its sessions there: both list it.
+    draining = _shard(0, {"a": 1}, ["e0"])
+    row = _engine("e1").model_copy(update={"handing_back": True, "in_flight": 7})
+    assert draining.shard is not None
+    draining = draining.model_copy(update={
+        "engines": [*draining.engines, row],
+        "shard": draining.shard.model_copy(update={"handing_back": ["e1"]})})
+    readings = [ShardReading(0, "http://s0", draining), ShardReading(1, "http://s1", _shard(1, {"a": 1}, ["e1"]))]
+    pool = combine_shards(readings)
+    assert pool is not None
+    assert [(e.id, e.handing_back, e.in_flight) for e in pool.engines] == [("e0", False, 1), ("e1", False, 1)]
+    view = shards_view(readings)
+    assert [(v["ownedEngines"], v["handingBackEngines"]) for v in view] == [(1, 1), (1, 0)]
+
+
 def test_all_shards_up_and_ready_is_ready_and_none_up_is_unknown() -> None:
     up = [ShardReading(i, f"http://s{i}", _shard(i, {"a": 1, "b": 1}, [f"e{i}"])) for i in range(2)]
     combined = combine_shards(up)
