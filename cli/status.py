@@ -102,7 +102,9 @@ def engines_table(status: Mapping[str, Any]) -> Table:
         t.add_column(col, justify="left" if col in ("engine", "last error") else "right", no_wrap=col == "engine")
     for e in rows:
         age = e.get("last_scrape_age_s")
-        t.add_row(_text(e.get("id")), _text(e.get("healthy")), _text(e.get("draining")), _text(e.get("sessions")),
+        # An engine this shard hands back to a returning peer drains like one the config drains.
+        draining = "handing back" if e.get("handing_back") else _text(e.get("draining"))
+        t.add_row(_text(e.get("id")), _text(e.get("healthy")), draining, _text(e.get("sessions")),
                   _text(e.get("in_flight")), _text(e.get("running")), _text(e.get("waiting")),
                   _pct(e.get("kv_usage")), _tokens(e.get("kv_capacity_tokens")), _pct(e.get("prefix_hit_rate")),
                   _tokens(e.get("preemptions_total")), "-" if age is None else f"{age:.1f} s ago",

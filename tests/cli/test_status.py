@@ -10,7 +10,7 @@ from openai import AsyncOpenAI
 from rich.console import Console
 
 from misat_cli.localpool import local_pool
-from misat_cli.status import fetch_status, main, render_status
+from misat_cli.status import engines_table, fetch_status, main, render_status
 from misat_cli.up import admin_token_lines
 from tests.support.manifests import one_engine_manifest
 
@@ -51,3 +51,12 @@ def test_admin_token_is_printed_or_written_owner_only(tmp_path: Path) -> None:
     lines = admin_token_lines("http://127.0.0.1:8080", "s3cret", path)
     assert path.read_text() == "s3cret\n" and stat.S_IMODE(path.stat().st_mode) == 0o600
     assert "s3cret" not in " ".join(lines) and str(path) in lines[0]
+
+
+def test_an_engine_being_handed_back_reads_so_in_the_engines_table() -> None:
+    rows = [{"id": "http://e0", "healthy": True, "draining": False, "handing_back": False},
+            {"id": "http://e1", "healthy": True, "draining": False, "handing_back": True}]
+    console = Console(width=250, record=True)
+    console.print(engines_table({"engines": rows}))
+    lines = {line.split()[1]: line for line in console.export_text().splitlines() if "http://e" in line}
+    assert "handing back" in lines["http://e1"] and "handing back" not in lines["http://e0"]
