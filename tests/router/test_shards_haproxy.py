@@ -34,7 +34,7 @@ WAIT_S = 20.0
 """Bound of every wait (shard start-up on a shared 2-core machine included)."""
 N_ENGINES, N_SHARDS = 6, 3
 PEER_PROBES = {"peer_probe_interval_s": 0.1, "peer_probe_timeout_s": 0.5, "peer_down_after_failures": 2}
-HANDBACK_IDLE_S = 4.0
+HANDBACK_IDLE_S = 8.0
 """Quiet time after which a survivor hands back an engine whose sessions moved (the project default
 is a minute; the test's turns follow each other within it, on a shared 2-core machine included)."""
 POLL_S = 0.05
