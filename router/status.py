@@ -220,7 +220,9 @@ def build_status(
     shard: ShardStatus | None = None,
 ) -> RouterStatus:
     describe = runner.policy.describe()
-    kv = kv_allocations(describe)
+    # An engine being handed back is its new owner's to budget: counted here too, a pool's
+    # class budgets would hold its capacity twice.
+    kv = [row for row in kv_allocations(describe) if row.engine not in registry.handing_back]
     active = runner.active_sessions()
     consumed = runner.mixture.consumed()
     classes = [

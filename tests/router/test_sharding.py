@@ -217,6 +217,7 @@ async def test_a_returning_peers_engines_finish_this_shards_sessions_before_they
             assert body["shard"]["owned_engines"] == [urls[1], urls[3]]
             assert body["shard"]["handing_back"] == sorted(set(on_theirs.values()))
             assert {e["id"] for e in body["engines"] if e["handing_back"]} == set(on_theirs.values())
+            assert {row["engine"] for row in body["kv"]} == mine  # budgets: the owner's to report
             assert body["healthy_engines"] == 2
 
             for sid in on_theirs:  # the sessions end: the drain is over and the engines go
