@@ -12,6 +12,7 @@ HAProxy comes from ``scripts/system-packages.sh`` (``make test`` runs it).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 from collections import defaultdict
 from collections.abc import AsyncIterator
@@ -51,14 +52,22 @@ class Attempts:
         self.n += 1
 
 
-@pytest.fixture
-async def engines() -> AsyncIterator[list[FakeEngine]]:
-    started = [FakeEngine(f"e{i}") for i in range(N_ENGINES)]
+@contextlib.asynccontextmanager
+async def fake_engines(**engine_args: Any) -> AsyncIterator[list[FakeEngine]]:
+    started = [FakeEngine(f"e{i}", **engine_args) for i in range(N_ENGINES)]
     for e in started:
         await e.start()
-    yield started
-    for e in started:
-        await e.close()
+    try:
+        yield started
+    finally:
+        for e in started:
+            await e.close()
+
+
+@pytest.fixture
+async def engines() -> AsyncIterator[list[FakeEngine]]:
+    async with fake_engines() as started:
+        yield started
 
 
 @pytest.fixture
@@ -264,12 +273,8 @@ async def test_a_shard_killed_under_load_loses_no_request_and_its_return_reattac
 @pytest.fixture
 async def roomy_engines() -> AsyncIterator[list[FakeEngine]]:
     """Engines with room for a few dozen agentic sessions (the default fake engine holds 1K tokens)."""
-    started = [FakeEngine(f"e{i}", num_gpu_blocks=1 << 16) for i in range(N_ENGINES)]
-    for e in started:
-        await e.start()
-    yield started
-    for e in started:
-        await e.close()
+    async with fake_engines(num_gpu_blocks=1 << 16) as started:
+        yield started
 
 
 @pytest.fixture
