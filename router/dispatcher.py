@@ -159,10 +159,16 @@ class Dispatcher:
         return configured | handing_back if handing_back else configured
 
     def settle_hand_backs(self) -> None:
-        """Drop the handed-back engines whose drain is over (``EngineRegistry.settle_hand_backs``)."""
+        """Drop the handed-back engines whose drain is over (``EngineRegistry.settle_hand_backs``).
+
+        Once per epoch (and when the live set of shards changes), not per finish: reading the
+        sessions' last activity walks every live session."""
         if self._registry.handing_back:
-            for _, how in self._registry.settle_hand_backs(self._runner.last_active_per_engine(self._clock())):
+            ended = self._registry.settle_hand_backs(self._runner.last_active_per_engine(self._clock()))
+            for _, how in ended:
                 self._metrics.hand_backs.labels(how).inc()
+            if ended:
+                self._touch()
 
     def _give_up(self, meta: RequestMeta, held_since: float, outcome: str) -> None:
         self._waiters.pop(meta.request_id, None)
@@ -187,8 +193,6 @@ class Dispatcher:
             self._idle.set()
         now = self._clock()
         self._runner.finish(meta, engine_id, completion, now)
-        if engine_id in self._registry.handing_back:
-            self.settle_hand_backs()
         self._metrics.finished(meta.workload_class, outcome)
         self._metrics.used(meta.workload_class, completion)
         self._observe_units(now)
@@ -214,7 +218,6 @@ class Dispatcher:
     def end_session(self, session_id: str) -> bool:
         now = self._clock()
         ended = self._runner.end_session(session_id, now)
-        self.settle_hand_backs()
         self._observe_units(now)
         self.kick()
         return ended

@@ -220,9 +220,10 @@ async def test_a_returning_peers_engines_finish_this_shards_sessions_before_they
             assert {row["engine"] for row in body["kv"]} == mine  # budgets: the owner's to report
             assert body["healthy_engines"] == 2
 
-            for sid in on_theirs:  # the sessions end: the drain is over and the engines go
+            for sid in on_theirs:  # the sessions end: the drain is over and the engines go (next epoch)
                 await turn(http, sid, 2, end=True)
-            assert state.registry.ids() == [urls[1], urls[3]] and state.registry.handing_back == set()
+            await state.wait_until(lambda: not state.registry.handing_back, WAIT_S)
+            assert state.registry.ids() == [urls[1], urls[3]]
             async with http.get(server.url + "/metrics") as resp:
                 metrics = await resp.text()
         drained = len(set(on_theirs.values()))
