@@ -116,9 +116,9 @@ class EngineRegistry:
         added = [e for e in wanted if e not in self._engines]
         gone = [e for e in self._engines if e not in wanted_set]
         # Handed back with a drain: still in the pool, and this router may keep it for its sessions.
-        drained = [e for e in gone if e in known and (e in self.handing_back or self.hand_back_idle_s > 0)]
-        removed = [e for e in gone if e not in set(drained)]
-        starting = [e for e in drained if e not in self.handing_back]
+        kept = {e for e in gone if e in known and (e in self.handing_back or self.hand_back_idle_s > 0)}
+        removed = [e for e in gone if e not in kept]
+        starting = [e for e in gone if e in kept and e not in self.handing_back]
         self.handing_back = (self.handing_back - set(reclaimed) - set(removed)) | set(starting)
         for e in added:
             self._engines[e] = EngineState(e)
