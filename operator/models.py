@@ -39,7 +39,7 @@ from pydantic import (
 )
 from pydantic.alias_generators import to_camel
 
-from misat_router.config import RouterConfig
+from misat_router.config import RouterConfig, ShardsConfig
 from misat_router.policy.settings import PolicySettings
 
 from . import engine_args
@@ -560,6 +560,12 @@ class RouterSpec(PodSettings):
         description=f"{RouterConfig.model_fields['hold_deadline_s'].description} "
         f"Default: the router's ({RouterConfig.model_fields['hold_deadline_s'].default:g}).",
     )
+    handback_idle_seconds: float | None = Field(
+        None, ge=0.0,
+        description="Router shards only (shards above 1). "
+        f"{ShardsConfig.model_fields['handback_idle_s'].description} "
+        f"Default: the router's ({ShardsConfig.model_fields['handback_idle_s'].default:g}).",
+    )
     resources: ResourceRequirements | None = Field(
         None, description="Limits default to ROUTER_DEFAULT_LIMITS per key (2 CPUs, 2Gi)."
     )
@@ -579,6 +585,8 @@ class RouterSpec(PodSettings):
         if self.shutdown.drain_seconds is not None:
             problems.append((".shutdown.drainSeconds", "applies to engines only (the router drains for its "
                                                        "drainTimeoutS)"))
+        if self.handback_idle_seconds is not None and self.shards <= 1:
+            problems.append((".handbackIdleSeconds", "applies to router shards only (shards above 1)"))
         if self.shards > 1 and self.replicas != 1:
             problems.append((".shards", f"{self.shards} shards need replicas 1 (each shard is one pod of "
                                         f"the router StatefulSet), not {self.replicas}"))
@@ -862,6 +870,8 @@ def effective_values(spec: RolloutPoolSpec) -> dict[str, Any]:
             "shutdown": {"preStopSleepSeconds": pre_stop_sleep(r)},
         },
     }
+    if r.shards > 1:
+        out["router"]["handbackIdleSeconds"] = router_handback_idle(r)
     if e.external is None:
         out["engines"] = {
             "gpuMemoryUtilization": e.gpu_memory_utilization,
@@ -926,6 +936,11 @@ def engine_grace_period(e: EnginesSpec) -> int:
 def max_unavailable(e: EnginesSpec) -> int:
     value = e.disruption_budget.max_unavailable
     return ENGINE_MAX_UNAVAILABLE if value is None else value
+
+
+def router_handback_idle(r: RouterSpec) -> float:
+    default = ShardsConfig.model_fields["handback_idle_s"].default
+    return float(default if r.handback_idle_seconds is None else r.handback_idle_seconds)
 
 
 def router_hold_deadline(r: RouterSpec) -> float:

@@ -57,6 +57,7 @@ from .models import (
     max_unavailable,
     pre_stop_sleep,
     probe_timeout,
+    router_handback_idle,
     router_hold_deadline,
     startup_failures,
 )
@@ -295,7 +296,7 @@ def build_router_config(
     if spec.router.shards > 1:
         names = ref.names
         peers = tuple(names.shard_url(i, spec.router.port, cluster_domain) for i in range(spec.router.shards))
-        shards = ShardsConfig(peers=peers)
+        shards = ShardsConfig(peers=peers, handback_idle_s=router_handback_idle(spec.router))
     return RouterConfig(
         generation=ref.generation,
         model=spec.model.served,

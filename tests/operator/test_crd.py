@@ -321,6 +321,7 @@ MODEL_ONLY = [
     ("mount-paths-collide", "spec.engines.modelVolume", {"mountPath": "/dev/shm", "source": {"persistentVolumeClaim": {"claimName": "w"}}}, "two volumes would mount at /dev/shm"),
     ("volume-source-unknown", "spec.engines.modelVolume", {"source": {"bucket": {"name": "w"}}}, "spec.engines.modelVolume.source: 'bucket' is not a Kubernetes volume source"),
     ("router-startup-budget", "spec.router.probes", {"startupBudgetSeconds": 60}, "spec.router.probes.startupBudgetSeconds: applies to engines only"),
+    ("handback-without-shards", "spec.router.handbackIdleSeconds", 30, "spec.router.handbackIdleSeconds: applies to router shards only"),
 ]
 
 

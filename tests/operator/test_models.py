@@ -169,7 +169,7 @@ def test_effective_values_are_the_pools_own_or_this_releases_defaults() -> None:
         ENGINE_PROBE_TIMEOUT_S,
         effective_values,
     )
-    from misat_router.config import RouterConfig
+    from misat_router.config import RouterConfig, ShardsConfig
 
     minimal = parse_spec({"model": {"name": "m"}, "workloads": [{"name": "a", "share": 100}]})
     eff = effective_values(minimal)
@@ -199,6 +199,14 @@ def test_effective_values_are_the_pools_own_or_this_releases_defaults() -> None:
     external = parse_spec({"model": {"name": "m"}, "workloads": [{"name": "a", "share": 100}],
                            "engines": {"external": {"urls": ["http://e:8000"]}}})
     assert "engines" not in effective_values(external)
+    assert "handbackIdleSeconds" not in eff["router"]  # one router: no shards to hand engines back to
+    sharded = parse_spec({"model": {"name": "m"}, "workloads": [{"name": "a", "share": 100}],
+                          "engines": {"replicas": 2}, "router": {"shards": 2}})
+    assert effective_values(sharded)["router"]["handbackIdleSeconds"] == ShardsConfig.model_fields[
+        "handback_idle_s"].default
+    sharded = parse_spec({"model": {"name": "m"}, "workloads": [{"name": "a", "share": 100}],
+                          "engines": {"replicas": 2}, "router": {"shards": 2, "handbackIdleSeconds": 0}})
+    assert effective_values(sharded)["router"]["handbackIdleSeconds"] == 0
 
 
 def test_a_spec_stores_only_what_its_author_wrote() -> None:
