@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+import openai
 import pytest
 from aiohttp import web
 
@@ -516,6 +517,15 @@ async def run_pressure(policy: str, urls: list[str], http: aiohttp.ClientSession
         try:
             async with asyncio.timeout(400):
                 outputs = await asyncio.gather(*(one(i) for i in range(PRESSURE_REQUESTS)))
+        except (TimeoutError, openai.APITimeoutError) as exc:
+            # Seen once in five runs (2026-12-03, docs/e2e.md): say whether the late request was
+            # held by the router or running on an engine.
+            st = await router.status()
+            raise AssertionError(
+                f"{policy}: a request did not finish in time; router: held {st['held_requests']} "
+                f"{st['held_by_reason']}, in flight {st['requests_in_flight']}; engines (in flight, running, "
+                f"waiting, KV use): {[(e['id'], e['in_flight'], e['running'], e['waiting'], e['kv_usage']) for e in st['engines']]}"
+            ) from exc
         finally:
             stop.set()
             await sampler
