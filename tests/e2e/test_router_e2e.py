@@ -518,7 +518,7 @@ async def run_pressure(policy: str, urls: list[str], http: aiohttp.ClientSession
             async with asyncio.timeout(400):
                 outputs = await asyncio.gather(*(one(i) for i in range(PRESSURE_REQUESTS)))
         except (TimeoutError, openai.APITimeoutError) as exc:
-            # Seen once in five runs (2026-12-03, docs/e2e.md): say whether the late request was
+            # Seen once in eight runs (2026-12-03, docs/e2e.md): say whether the late request was
             # held by the router or running on an engine.
             st = await router.status()
             raise AssertionError(
