@@ -323,7 +323,10 @@ async def test_a_returning_shard_takes_its_engines_back_without_moving_the_survi
     assert kept_there, (before, after)  # not vacuous: sessions continued on a handed-back engine
     assert [k for k in stayed if after[k][1] != before[k][1]] == []
     draining = await shard_statuses(s, [0, 2])
-    assert {e for v in draining.values() for e in v["handing_back"]} == {before[k][1] for k in kept_there}
+    handing_back = {e for v in draining.values() for e in v["handing_back"]}
+    # Every engine a survivor's session stayed on is being handed back (and only shard 1's are; one
+    # may also hold sessions that moved back to shard 1 and so have stopped arriving).
+    assert {before[k][1] for k in kept_there} <= handing_back <= theirs
 
     await asyncio.gather(*(context_turn(c, k, 3, end=True) for k in range(n)))
     # The survivors' sessions ended; those that moved to shard 1 just stop arriving: the drains end
