@@ -8,7 +8,8 @@ three classes, fast probes and epochs).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+import logging
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import aiohttp
@@ -24,6 +25,18 @@ from tests.support.router_config import MODEL, router_config
 
 WAIT_S = 5.0
 """Bound of every wait in these tests; a healthy run takes milliseconds."""
+
+
+@pytest.fixture(autouse=True)
+def root_logging() -> Iterator[None]:
+    """``misat router``'s ``main`` points the root logger at the stderr of the moment (a test's
+    captured one, closed after it): put the root logger back, so a later test in the same
+    process that logs (``misat up`` in tests/cli) does not write to a closed stream."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
 
 
 async def open_parked_stream(
