@@ -81,9 +81,11 @@ class EngineRegistry:
         self.hand_back_idle_s = 0.0
         """``shards.handback_idle_s``: an engine this router stops owning (but the pool still has)
         is kept while a session placed on it had a request within this long; 0 drops it at once."""
-        self.handing_back: frozenset[str] = frozenset()
-        """Engines held only to finish this router's sessions on them (not owned; not admin targets)."""
         self._hand_back_since: dict[str, float] = {}
+        """Engines held only to finish this router's sessions on them, with when their drain began."""
+        self.handing_back: frozenset[str] = frozenset()
+        """The keys of ``_hand_back_since`` (not owned; not admin targets), as the set the admission
+        path joins to the draining engines on every request."""
         self._snapshot: Mapping[str, EngineSnapshot] | None = None
         self.changed = asyncio.Event()
         """Set whenever the set of engines changes (the probe supervisor waits on it)."""
@@ -119,21 +121,22 @@ class EngineRegistry:
         kept = {e for e in gone if e in known and (e in self.handing_back or self.hand_back_idle_s > 0)}
         removed = [e for e in gone if e not in kept]
         starting = [e for e in gone if e in kept and e not in self.handing_back]
-        self.handing_back = (self.handing_back - set(reclaimed) - set(removed)) | set(starting)
         for e in added:
             self._engines[e] = EngineState(e)
             log.info("engine added: %s", e)
         for e in reclaimed:
-            self._hand_back_since.pop(e, None)
+            del self._hand_back_since[e]
             log.info("engine owned again before its hand-back ended: %s", e)
-        for e in removed:
-            self._hand_back_since.pop(e, None)
-            del self._engines[e]
-            log.info("engine removed: %s", e)
-            self._on_removed(e)
         for e in starting:
             self._hand_back_since[e] = self._clock()
             log.info("engine handed back, draining this router's sessions on it: %s", e)
+        for e in removed:
+            self._hand_back_since.pop(e, None)
+        self.handing_back = frozenset(self._hand_back_since)  # before the callbacks below see it
+        for e in removed:
+            del self._engines[e]
+            log.info("engine removed: %s", e)
+            self._on_removed(e)
         if added or removed or reclaimed or starting:
             self._invalidate()
             self.changed.set()
@@ -155,15 +158,15 @@ class EngineRegistry:
             last = last_active.get(e)
             if last is None:
                 ended.append((e, "drained"))
-            elif now - max(last, self._hand_back_since.get(e, now)) >= self.hand_back_idle_s:
+            elif now - max(last, self._hand_back_since[e]) >= self.hand_back_idle_s:
                 ended.append((e, "idle"))
         if not ended:
             return []
-        self.handing_back = self.handing_back - {e for e, _ in ended}
         for e, how in ended:
-            self._hand_back_since.pop(e, None)
+            del self._hand_back_since[e]
             del self._engines[e]
             log.info("engine hand-back ended (%s), removed: %s", how, e)
+        self.handing_back = frozenset(self._hand_back_since)
         self._invalidate()
         self.changed.set()
         for e, _ in ended:
