@@ -9,6 +9,14 @@ new-session factor cut, to at most ``1 - cut_gain * G / h*`` (floored); each
 healthy sample restores it additively. A sample is one or more scrapes
 adding up to at least ``min_queries_per_epoch`` looked-up prompt tokens, so a
 quiet engine's noise never counts. Continuations are never gated by it.
+
+With ``degradation_cost_tolerance`` a gap must also be worth something: the
+prompt tokens it loses per second (``G`` times the sample's looked-up tokens
+over its span of time) must exceed that share of the engine's prefill rate.
+Why: the hit rate is a proxy for recomputation, and recomputation costs in
+proportion to how many prompt tokens the engine sees. Where long decodes
+dominate (few prompt tokens per second), a hit gap costs little time, and
+cutting new sessions costs the batch size the decodes live on.
 """
 
 from __future__ import annotations
@@ -22,6 +30,8 @@ from .types import EngineSnapshot
 @dataclass(slots=True)
 class HitGuard:
     settings: SessionAdmissionSettings
+    prefill_tokens_per_s: float
+    """mu_w (``placement.prefill_tokens_per_s``): what a lost hit costs is measured against it."""
     factor: float = 1.0
     hit_rate: float | None = None
     healthy: float | None = None
@@ -31,6 +41,8 @@ class HitGuard:
     _last_hits: float = 0.0
     _acc_queries: float = 0.0
     _acc_hits: float = 0.0
+    _acc_since: float = 0.0
+    """Scrape time the accumulating sample starts from."""
 
     def observe(self, snap: EngineSnapshot) -> None:
         """Feed one scrape's cumulative counters."""
@@ -38,6 +50,8 @@ class HitGuard:
         if self._last_queries is None or q < self._last_queries or h < self._last_hits:
             # First scrape or an engine restart (counters went back): new baseline.
             self._last_queries, self._last_hits = q, h
+            self._acc_queries = self._acc_hits = 0.0
+            self._acc_since = snap.scraped_at
             return
         self._acc_queries += q - self._last_queries
         self._acc_hits += h - self._last_hits
@@ -45,10 +59,19 @@ class HitGuard:
         if self._acc_queries < max(self.settings.min_queries_per_epoch, 1e-9):
             return
         sample = min(1.0, self._acc_hits / self._acc_queries)
+        span = snap.scraped_at - self._acc_since
+        # Two scrapes stamped alike give no rate: count the gap as costly (the paper's rule).
+        queries_per_s = self._acc_queries / span if span > 0 else float("inf")
         self._acc_queries = self._acc_hits = 0.0
-        self._update(sample)
+        self._acc_since = snap.scraped_at
+        self._update(sample, queries_per_s)
 
-    def _update(self, sample: float) -> None:
+    def _costly(self, gap: float, queries_per_s: float) -> bool:
+        """Whether the prompt tokens a gap loses would take more than the tolerated share of prefill time."""
+        tolerance = self.settings.degradation_cost_tolerance
+        return tolerance <= 0 or gap * queries_per_s / self.prefill_tokens_per_s > tolerance
+
+    def _update(self, sample: float, queries_per_s: float = float("inf")) -> None:
         s = self.settings
         self.hit_rate = (
             sample if self.hit_rate is None
@@ -59,7 +82,7 @@ class HitGuard:
             else max(self.hit_rate, self.healthy * s.healthy_hit_decay)
         )
         gap = max(0.0, self.healthy - self.hit_rate)
-        if gap > s.degradation_tolerance:
+        if gap > s.degradation_tolerance and self._costly(gap, queries_per_s):
             self.streak += 1
             if self.streak >= s.confirm_epochs and self.healthy > 0:
                 target = 1.0 - s.cut_gain * gap / self.healthy
@@ -71,13 +94,15 @@ class HitGuard:
             self.streak = 0
             self.factor = min(1.0, self.factor + s.recovery_per_epoch)
 
-    def reset(self) -> None:
-        """Forget the healthy level (after a prefix-cache reset everything starts cold)."""
+    def reset(self, now: float) -> None:
+        """Forget the healthy level (after a prefix-cache reset everything starts cold); the next
+        sample counts from ``now``."""
         self.hit_rate = None
         self.healthy = None
         self.streak = 0
         self.factor = 1.0
         self._acc_queries = self._acc_hits = 0.0
+        self._acc_since = now
 
     @property
     def degradation(self) -> float:

@@ -569,7 +569,11 @@ class MisaPolicy(Policy):
         pf = self.settings.prefix
         for w, snap in engines.items():
             self.snapshots[w] = snap
-            self.guards.setdefault(w, HitGuard(self.settings.admission)).observe(snap)
+            guard = self.guards.get(w)
+            if guard is None:
+                guard = self.guards[w] = HitGuard(self.settings.admission,
+                                                  self.settings.placement.prefill_tokens_per_s)
+            guard.observe(snap)
             if snap.kv_capacity_tokens > 0:
                 blocks = snap.kv_capacity_tokens / pf.block_size
                 self.index.set_limit(w, math.ceil(blocks * pf.capacity_multiple))
@@ -582,7 +586,7 @@ class MisaPolicy(Policy):
     def on_prefix_cache_reset(self, now: float) -> None:
         self.index.clear()
         for guard in self.guards.values():
-            guard.reset()
+            guard.reset(now)
 
     def on_engine_removed(self, engine_id: str, now: float) -> None:
         super().on_engine_removed(engine_id, now)
@@ -628,6 +632,7 @@ class MisaPolicy(Policy):
             self._last_prompt_symbols = 0
         for guard in self.guards.values():
             guard.settings = settings.admission
+            guard.prefill_tokens_per_s = settings.placement.prefill_tokens_per_s
         for estimators, cfg in ((self.footprint, settings.footprint), (self.residency, settings.residency)):
             for est in estimators.values():
                 est.reconfigure(cfg.window, cfg.percentile, cfg.min_samples)

@@ -11,6 +11,7 @@ from misat_router.policy.runner import PolicyRunner
 from misat_router.policy.settings import (
     ClassSpec,
     FootprintSettings,
+    PlacementSettings,
     PolicyName,
     PolicySettings,
     ResidencySettings,
@@ -184,12 +185,13 @@ def test_load_not_placed_by_this_router_counts() -> None:
     assert placed_count(fill(runner, "rlvr", busy, 10, now=10.0)) == 3
 
 
-def _feed_hits(runner: PolicyRunner, eng_id: str, rates: list[float], t0: float, state: dict) -> list[float]:
-    """Feed one scrape per rate with 1,000 looked-up tokens each; return the guard's factor after each."""
+def _feed_hits(runner: PolicyRunner, eng_id: str, rates: list[float], t0: float, state: dict,
+               tokens: float = 1000) -> list[float]:
+    """Feed one scrape a second per rate, ``tokens`` looked up in each; return the guard's factor after each."""
     factors = []
     for i, rate in enumerate(rates):
-        state["q"] += 1000
-        state["h"] += 1000 * rate
+        state["q"] += tokens
+        state["h"] += tokens * rate
         snap = EngineSnapshot(engine_id=eng_id, kv_capacity_tokens=10_000, prefix_queries_total=state["q"],
                               prefix_hits_total=state["h"], scraped_at=t0 + i)
         runner.on_metrics({eng_id: snap}, t0 + i)
@@ -198,7 +200,9 @@ def _feed_hits(runner: PolicyRunner, eng_id: str, rates: list[float], t0: float,
 
 
 def test_hit_rate_drop_cuts_new_session_cap_only_after_confirmation_then_recovers() -> None:
-    adm = SessionAdmissionSettings(confirm_epochs=3, hit_ewma_alpha=1.0, recovery_per_epoch=0.1)
+    # The paper's rule (no cost check): every gap over the tolerance counts.
+    adm = SessionAdmissionSettings(confirm_epochs=3, hit_ewma_alpha=1.0, recovery_per_epoch=0.1,
+                                   degradation_cost_tolerance=0.0)
     runner = make_runner(PolicyName.MISA_T, admission=adm)
     state = {"q": 0.0, "h": 0.0}
     factors = _feed_hits(runner, "e0", [0.9] * 5, 0.0, state)
@@ -216,7 +220,7 @@ def test_hit_rate_drop_cuts_new_session_cap_only_after_confirmation_then_recover
 
 
 def test_single_noisy_sample_does_not_cut() -> None:
-    adm = SessionAdmissionSettings(confirm_epochs=3, hit_ewma_alpha=1.0)
+    adm = SessionAdmissionSettings(confirm_epochs=3, hit_ewma_alpha=1.0, degradation_cost_tolerance=0.0)
     runner = make_runner(PolicyName.MISA_T, admission=adm)
     state = {"q": 0.0, "h": 0.0}
     factors = _feed_hits(runner, "e0", [0.9, 0.9, 0.2, 0.9, 0.2, 0.9, 0.9], 0.0, state)
@@ -224,11 +228,54 @@ def test_single_noisy_sample_does_not_cut() -> None:
 
 
 def test_quiet_engine_samples_do_not_count() -> None:
-    adm = SessionAdmissionSettings(confirm_epochs=1, hit_ewma_alpha=1.0, min_queries_per_epoch=5000)
+    adm = SessionAdmissionSettings(confirm_epochs=1, hit_ewma_alpha=1.0, min_queries_per_epoch=5000,
+                                   degradation_cost_tolerance=0.0)
     runner = make_runner(PolicyName.MISA_T, admission=adm)
     state = {"q": 0.0, "h": 0.0}
     factors = _feed_hits(runner, "e0", [0.9, 0.1, 0.1], 0.0, state)
     assert factors == [1.0, 1.0, 1.0]
+
+
+def test_a_hit_gap_counts_only_when_its_lost_prompt_tokens_cost_enough_prefill_time() -> None:
+    """degradation_cost_tolerance: a gap of 0.4 at 1,000 looked-up tokens/s loses 400 tokens/s, 2% of a
+    20,000 tokens/s engine, under a 5% tolerance: no cut. The same gap at 5,000 tokens/s (10%) cuts."""
+    adm = SessionAdmissionSettings(confirm_epochs=1, hit_ewma_alpha=1.0, degradation_cost_tolerance=0.05)
+    runner = make_runner(PolicyName.SESSION_ADMISSION, admission=adm)
+    assert runner.policy.settings.placement.prefill_tokens_per_s == 20_000  # type: ignore[attr-defined]
+    state = {"q": 0.0, "h": 0.0}
+    assert _feed_hits(runner, "e0", [0.9] * 3, 0.0, state) == [1.0] * 3
+    assert _feed_hits(runner, "e0", [0.5] * 4, 3.0, state) == [1.0] * 4, "cheap gap: no cut"
+    guard = runner.policy.guards["e0"]  # type: ignore[attr-defined]
+    assert guard.degradation > 0.3
+    factors = _feed_hits(runner, "e0", [0.5], 7.0, state, tokens=5000)
+    assert factors[0] < 1.0
+
+
+def test_the_cost_of_a_hit_gap_is_measured_against_the_engines_prefill_rate() -> None:
+    """The same feed as above at 1,000 tokens/s cuts on an engine that prefills 2,000 tokens/s (20%)."""
+    adm = SessionAdmissionSettings(confirm_epochs=1, hit_ewma_alpha=1.0, degradation_cost_tolerance=0.05)
+    runner = make_runner(PolicyName.SESSION_ADMISSION, admission=adm,
+                         placement=PlacementSettings(prefill_tokens_per_s=2_000))
+    state = {"q": 0.0, "h": 0.0}
+    _feed_hits(runner, "e0", [0.9] * 3, 0.0, state)
+    assert _feed_hits(runner, "e0", [0.5], 3.0, state)[0] < 1.0
+
+
+def test_the_query_rate_is_taken_over_the_samples_whole_span() -> None:
+    """Quiet scrapes add up to one sample: 1,200 tokens over 4 s is 300 tokens/s, not 1,000 (one scrape's).
+    At gap 0.4 and 20,000 tokens/s, 1,000 tokens/s would cost 2% (over a 1.5% tolerance), 300 tokens/s
+    costs 0.6% (under it)."""
+    adm = SessionAdmissionSettings(confirm_epochs=1, hit_ewma_alpha=1.0, min_queries_per_epoch=1000,
+                                   degradation_cost_tolerance=0.015)
+    runner = make_runner(PolicyName.SESSION_ADMISSION, admission=adm)
+    state = {"q": 0.0, "h": 0.0}
+    _feed_hits(runner, "e0", [0.9] * 3, 0.0, state, tokens=1000)
+    quiet = [_feed_hits(runner, "e0", [0.5], 3.0 + i, state, tokens=100)[0] for i in range(3)]
+    last = _feed_hits(runner, "e0", [0.5], 6.0, state, tokens=900)
+    assert quiet + last == [1.0] * 4
+    guard = runner.policy.guards["e0"]  # type: ignore[attr-defined]
+    assert guard.degradation > 0.35, "the sample counted: its gap was seen, and judged cheap"
+    assert _feed_hits(runner, "e0", [0.5], 7.0, state, tokens=1000)[0] < 1.0
 
 
 def test_prefix_affinity_sends_group_samples_together() -> None:
