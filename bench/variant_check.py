@@ -48,14 +48,35 @@ V2_ORACLE_CEILINGS: dict[str, tuple[int, ...]] = {
     "iterations@paper:4": (224, 336, 224),
     "kv-half@paper:4": (96, 104, 112),
     "kv-double@paper:4": (408, 448, 416),
+    # The large fleet's steady cells that have run (docs/benchmark.md, "steady@paper on 16 engines"
+    # and after): only with --cells, since the twelve above are the matrix the rule is read on.
+    "steady@paper:16": (816, 776, 768),
+    "steady@rlvr70:16": (1008, 920, 1504),
+    "steady@rlhf70:16": (1240, 1216, 1192),
+    "steady@agentic10:16": (928, 1152, 1536),
 }
 """Each cell's oracle ceiling per seed (0, 1, 2) as benchmark v2 found it (docs/benchmark.md,
 "Results (v2)": the oracle rows' "each seed's best")."""
+MATRIX_ENGINES = 4
+"""The cells the default is chosen on (without ``--cells``): the twelve on this many engines."""
 V2_TUNED_ONCE_CEILING = 200
 """tuned-once in v2: steady@paper:4's best ceiling on the mean over seeds."""
 V2_TUNED_REQUEST_LIMIT = 256
 """request-limit in v2: the router request limit (cache_aware at the high ceiling) that was best on
 steady@paper:4's mean over seeds, then run unchanged on every cell."""
+
+
+def select_cells(wanted: list[str]) -> tuple[BenchSettings, list[Cell]]:
+    """The suite's settings and cells for ``wanted`` cell ids (each in ``V2_ORACLE_CEILINGS``); none
+    wanted: the twelve cells on ``MATRIX_ENGINES`` engines. Large-fleet cells come with the settings
+    that make them (``--large-fleet`` and ``--large-fleet-mixtures`` in ``misat bench``)."""
+    engines = {int(c.rpartition(":")[2]) for c in wanted} - {MATRIX_ENGINES}
+    mixtures = {c.partition("@")[2].partition(":")[0] for c in wanted if not c.endswith(f":{MATRIX_ENGINES}")}
+    s = BenchSettings(large_fleet_engines=tuple(sorted(engines)),
+                      large_fleet_mixtures=tuple(sorted(mixtures)) or ("paper",))
+    if not wanted:
+        return s, [c for c in s.cells() if c.engines == MATRIX_ENGINES and c.id in V2_ORACLE_CEILINGS]
+    return s, [c for c in s.cells() if c.id in wanted]
 
 
 def baseline_runs(s: BenchSettings, cells: list[Cell]) -> list[RunSpec]:
@@ -168,14 +189,11 @@ def main() -> None:
     unknown = [p for p in policies if p not in POLICY_VARIANTS]
     if unknown:
         ap.error(f"unknown policy {unknown[0]!r}; known: {', '.join(POLICY_VARIANTS)}")
-    s = BenchSettings(large_fleet_engines=())
-    cells = [c for c in s.cells() if c.id in V2_ORACLE_CEILINGS]
-    if args.cells:
-        wanted = args.cells.split(",")
-        missing = [c for c in wanted if c not in V2_ORACLE_CEILINGS]
-        if missing:
-            ap.error(f"no v2 oracle for cell {missing[0]!r}; known: {', '.join(V2_ORACLE_CEILINGS)}")
-        cells = [c for c in cells if c.id in wanted]
+    wanted = [c for c in args.cells.split(",") if c]
+    missing = [c for c in wanted if c not in V2_ORACLE_CEILINGS]
+    if missing:
+        ap.error(f"no v2 oracle for cell {missing[0]!r}; known: {', '.join(V2_ORACLE_CEILINGS)}")
+    s, cells = select_cells(wanted)
 
     def done(rec: RunRecord, cached: bool) -> None:
         print(f"{'cached' if cached else 'ran   '} {rec.spec.cell(s).id} seed {rec.spec.seed_of(s)} {rec.spec.label}: "

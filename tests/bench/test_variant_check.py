@@ -9,14 +9,31 @@ from misat_bench.variant_check import (
     V2_TUNED_REQUEST_LIMIT,
     baseline_runs,
     limit_runs,
+    select_cells,
     variant_runs,
 )
 
 
 def test_every_cell_of_the_four_engine_matrix_has_an_oracle_ceiling_per_seed() -> None:
     s = BenchSettings(large_fleet_engines=())
-    assert {c.id for c in s.cells()} == set(V2_ORACLE_CEILINGS)
+    assert {c.id for c in s.cells()} == {c for c in V2_ORACLE_CEILINGS if c.endswith(":4")}
     assert all(len(v) == len(s.seeds) for v in V2_ORACLE_CEILINGS.values())
+    _, cells = select_cells([])
+    assert [c.id for c in cells] == [c.id for c in s.cells()], "no --cells: the twelve the rule is read on"
+
+
+def test_a_large_fleet_cell_runs_as_the_suites_large_fleet_invocation_ran_it() -> None:
+    """steady@rlvr70:16 ran as `misat bench --cells steady@rlvr70:16 --large-fleet-mixtures paper,rlvr70`:
+    the variant check's runs of it have that invocation's cache keys."""
+    s, cells = select_cells(["steady@rlvr70:16", "steady@agentic10:4"])
+    assert sorted(c.id for c in cells) == ["steady@agentic10:4", "steady@rlvr70:16"]
+    suite_s = BenchSettings(large_fleet_engines=(16,), large_fleet_mixtures=("paper", "rlvr70"))
+    suite_cell = next(c for c in suite_s.cells() if c.id == "steady@rlvr70:16")
+    mine = [r for r in baseline_runs(s, cells) if r.engines == 16]
+    assert [r.key(s) for r in mine] == [
+        sweep_run(suite_cell, seed, c).key(suite_s)
+        for seed, c in zip(s.seeds, V2_ORACLE_CEILINGS["steady@rlvr70:16"], strict=True)
+    ]
 
 
 def test_baseline_runs_share_the_suites_cache_keys() -> None:
