@@ -133,14 +133,22 @@ POLICY_VARIANTS: dict[str, PolicySettings] = {
     "misa-t-target": PolicySettings(name=PolicyName.MISA_T, budget_basis="target"),
     "footprint-peak-p90": PolicySettings(footprint=FootprintSettings(statistic="peak", percentile=90.0)),
     "footprint-mean-p50": PolicySettings(footprint=FootprintSettings(statistic="mean", percentile=50.0)),
-    "session-admission-occupancy": PolicySettings(name=PolicyName.SESSION_ADMISSION,
-                                                  footprint=FootprintSettings(statistic="occupancy")),
+    # The next three are one change each to the default as it was before the hit guard's cost check,
+    # and keep that form (degradation_cost_tolerance 0) so that their published rows reproduce.
+    "session-admission-occupancy": PolicySettings(
+        name=PolicyName.SESSION_ADMISSION, footprint=FootprintSettings(statistic="occupancy"),
+        admission=SessionAdmissionSettings(degradation_cost_tolerance=0.0)),
     "session-admission-longest-first": PolicySettings(
-        name=PolicyName.SESSION_ADMISSION, admission=SessionAdmissionSettings(release_order="longest-first")),
+        name=PolicyName.SESSION_ADMISSION,
+        admission=SessionAdmissionSettings(release_order="longest-first", degradation_cost_tolerance=0.0)),
     # The hit guard with a long memory: h* decays 1.2% a minute instead of 2% an epoch, so a hit
     # rate that sinks slowly as sessions pile up still reads as degraded (docs/policy.md).
     "session-admission-hit-memory": PolicySettings(
-        name=PolicyName.SESSION_ADMISSION, admission=SessionAdmissionSettings(healthy_hit_decay=0.9999)),
+        name=PolicyName.SESSION_ADMISSION,
+        admission=SessionAdmissionSettings(healthy_hit_decay=0.9999, degradation_cost_tolerance=0.0)),
+    # The default before the cost check (docs/policy.md, "The hit guard's cost check").
+    "session-admission-no-cost-check": PolicySettings(
+        name=PolicyName.SESSION_ADMISSION, admission=SessionAdmissionSettings(degradation_cost_tolerance=0.0)),
 }
 """Policies under test by name, each run at the high ceiling with no per-cell tuning. Add a
 variant here (a T-shape, a footprint estimator) and name it in ``--policies``; a variant equal
