@@ -47,11 +47,14 @@ class HitGuard:
     def observe(self, snap: EngineSnapshot) -> None:
         """Feed one scrape's cumulative counters."""
         q, h = snap.prefix_queries_total, snap.prefix_hits_total
-        if self._last_queries is None or q < self._last_queries or h < self._last_hits:
-            # First scrape or an engine restart (counters went back): new baseline.
+        if self._last_queries is None:
             self._last_queries, self._last_hits = q, h
-            self._acc_queries = self._acc_hits = 0.0
             self._acc_since = snap.scraped_at
+            return
+        if q < self._last_queries or h < self._last_hits:
+            # An engine restart (counters went back): new baseline; what the sample holds so far
+            # stays, and so does the time it started from.
+            self._last_queries, self._last_hits = q, h
             return
         self._acc_queries += q - self._last_queries
         self._acc_hits += h - self._last_hits
