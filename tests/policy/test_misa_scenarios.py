@@ -6,6 +6,7 @@ import itertools
 
 import pytest
 
+from misat_router.policy.hit_guard import HitGuard
 from misat_router.policy.misa import MisaPolicy
 from misat_router.policy.runner import PolicyRunner
 from misat_router.policy.settings import (
@@ -390,3 +391,21 @@ def test_policy_switch_hands_over_live_state() -> None:
     assert policy.load.total == 1
     cont = runner.submit(req("agentic", session="carried", turn=1), eng, 3.0)
     assert cont.reason is Reason.CONTINUATION and cont.engine_id == d.engine_id
+
+
+def test_an_engine_restart_mid_sample_keeps_what_the_sample_holds_and_when_it_started() -> None:
+    """Counters going back (a restart) start a new baseline; the sample still spans from its first scrape."""
+    adm = SessionAdmissionSettings(confirm_epochs=1, hit_ewma_alpha=1.0, min_queries_per_epoch=1000,
+                                   degradation_cost_tolerance=0.015)
+    guard = HitGuard(adm, prefill_tokens_per_s=20_000)
+
+    def scrape(at: float, q: float, h: float) -> None:
+        guard.observe(EngineSnapshot(engine_id="e0", prefix_queries_total=q, prefix_hits_total=h, scraped_at=at))
+
+    scrape(0.0, 0, 0)
+    scrape(1.0, 1000, 900)  # healthy 0.9
+    scrape(2.0, 1600, 1200)  # 600 looked up at 0.5: not yet a sample
+    scrape(3.0, 100, 50)  # restart: counters back to near zero
+    scrape(4.0, 500, 250)  # +400 at 0.5: the sample (1,000 tokens over 3 s, 333/s) closes
+    assert guard.hit_rate == 0.5
+    assert guard.factor == 1.0, "0.4 x 333/s over 20,000/s is 0.7%: under the 1.5% tolerance"
