@@ -74,7 +74,7 @@ class HitGuard:
         tolerance = self.settings.degradation_cost_tolerance
         return tolerance <= 0 or gap * queries_per_s / self.prefill_tokens_per_s > tolerance
 
-    def _update(self, sample: float, queries_per_s: float = float("inf")) -> None:
+    def _update(self, sample: float, queries_per_s: float) -> None:
         s = self.settings
         self.hit_rate = (
             sample if self.hit_rate is None
