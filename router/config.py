@@ -196,8 +196,9 @@ class RouterConfig(_Frozen):
     health_timeout_s: float = Field(0.4, gt=0.0, description="Timeout of one /health check.")
     unhealthy_after_failures: int = Field(
         2, ge=1,
-        description="Consecutive failed health checks that take an engine out of rotation. A "
-        "connection error while proxying takes it out at once, without waiting for this.",
+        description="Consecutive failures that take an engine out of rotation: failed health checks "
+        "and connect timeouts while proxying (upstream_connect_timeout_s), counted together. A "
+        "connection refused or broken while proxying takes it out at once, without waiting for this.",
     )
     healthy_after_successes: int = Field(
         1, ge=1, description="Consecutive passed health checks that bring an engine back."
@@ -205,7 +206,7 @@ class RouterConfig(_Frozen):
     upstream_connect_timeout_s: float = Field(
         2.0, gt=0.0,
         description="Timeout to open a connection to an engine; on expiry the request is placed "
-        "again elsewhere.",
+        "again and the timeout counts as one of unhealthy_after_failures.",
     )
     upstream_timeout_s: float = Field(
         3600.0, gt=0.0,

@@ -3,7 +3,8 @@
 The registry is the one owner of per-engine state. It hands the policy an
 immutable ``Mapping[str, EngineSnapshot]`` (rebuilt only when something
 changed) and tells its owner, through callbacks, when an engine leaves
-rotation (failed health checks, a connection error while proxying, or gone
+rotation (failed health checks and connect timeouts while proxying, counted
+together; a refused or broken connection while proxying, at once; or gone
 from the config/DNS) and when one comes back, so the owner can release the
 policy's accounting (``runner.remove_engine``) and re-check held work.
 
@@ -201,14 +202,24 @@ class EngineRegistry:
             if not st.healthy and st.consecutive_successes >= up_after:
                 self._set_healthy(st, True, None)
         else:
-            st.consecutive_successes = 0
-            st.consecutive_failures += 1
-            st.last_error = error
-            if st.healthy and st.consecutive_failures >= down_after:
-                self._set_healthy(st, False, error)
+            self.count_failure(engine_id, error, down_after=down_after)
+
+    def count_failure(self, engine_id: str, error: str | None, *, down_after: int) -> None:
+        """A failure that may be passing (a failed health check; a connect timeout while proxying):
+        the engine leaves rotation after ``down_after`` of them in a row, health checks and
+        proxy attempts counted together, and a passed check starts the count again."""
+        st = self._engines.get(engine_id)
+        if st is None:
+            return
+        st.consecutive_successes = 0
+        st.consecutive_failures += 1
+        st.last_error = error
+        if st.healthy and st.consecutive_failures >= down_after:
+            self._set_healthy(st, False, error)
 
     def mark_failed(self, engine_id: str, error: str) -> None:
-        """A connection error while proxying: out of rotation at once."""
+        """A connection refused, reset or broken while proxying: the engine is gone, out of
+        rotation at once."""
         st = self._engines.get(engine_id)
         if st is None:
             return

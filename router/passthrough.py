@@ -39,8 +39,8 @@ CONNECT_FAILURES = (
     aiohttp.ConnectionTimeoutError,
     aiohttp.ClientPayloadError,
 )
-"""aiohttp errors that mean the engine is unreachable or its connection broke (the engine leaves
-rotation, the call goes to the next one)."""
+"""aiohttp errors that mean the engine is unreachable or its connection broke: the call goes to the
+next engine, and this one leaves rotation (a connect timeout counts as a failed health check)."""
 
 READ_FAILURES = (aiohttp.ClientError, TimeoutError)
 
@@ -124,7 +124,11 @@ async def _pass_through(request: web.Request, path: str) -> web.Response:
                 )
         except CONNECT_FAILURES as exc:
             s.metrics.engine_failures.labels(engine).inc()
-            s.registry.mark_failed(engine, f"{type(exc).__name__}: {exc}")
+            error = f"{type(exc).__name__}: {exc}"
+            if isinstance(exc, aiohttp.ConnectionTimeoutError):  # slow to accept, maybe not gone (proxy.py)
+                s.registry.count_failure(engine, error, down_after=s.config.unhealthy_after_failures)
+            else:
+                s.registry.mark_failed(engine, error)
         except READ_FAILURES as exc:  # the engine took the call and went silent
             raise UpstreamUnavailable(
                 f"engine did not answer {path}: {type(exc).__name__}", code="upstream_timeout"

@@ -58,6 +58,11 @@ class ConnectFailed(UpstreamError):
     """No connection could be opened (refused, unreachable, name not resolved, connect timeout)."""
 
 
+class ConnectTimedOut(ConnectFailed):
+    """No connection within ``connect_timeout_s``: the engine may be gone, or only slow to accept
+    (a full listen backlog drops SYNs under a burst of connects; a starved host answers late)."""
+
+
 class StaleConnection(UpstreamError):
     """A reused keep-alive connection was closed by the engine before any byte of the answer."""
 
@@ -474,7 +479,8 @@ class UpstreamPool:
                 _, proto = await self._connector(origin, lambda: _Connection(self, origin))
         except TimeoutError:
             self._released_slot()
-            raise ConnectFailed(f"connecting to {origin.key} timed out after {self.connect_timeout_s:g} s") from None
+            raise ConnectTimedOut(
+                f"connecting to {origin.key} timed out after {self.connect_timeout_s:g} s") from None
         except OSError as exc:
             self._released_slot()
             raise ConnectFailed(f"cannot connect to {origin.key}: {exc.strerror or exc}") from None

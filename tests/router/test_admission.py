@@ -140,6 +140,49 @@ async def test_engine_death_is_retried_elsewhere_and_leaves_rotation(
     assert 'misat_requests_total{class="rlvr",outcome="retried"} 1.0' in metrics
 
 
+async def test_a_connect_timeout_is_retried_elsewhere_and_counts_as_a_failed_check(
+    engines: list[FakeEngine], make_router
+) -> None:
+    a, b = engines
+    # Slow health checks: only the proxy path counts here.
+    h = await make_router(engines, health_interval_s=30.0, unhealthy_after_failures=2,
+                          upstream_connect_timeout_s=0.1)
+    pool = h.state.engine_pool()
+    connect = pool._connector
+
+    async def a_never_accepts(origin, factory):  # type: ignore[no-untyped-def]
+        if origin.key == a.url:
+            await asyncio.Event().wait()  # SYNs dropped: the connect times out
+        return await connect(origin, factory)
+
+    pool._connector = a_never_accepts
+    registry = h.state.registry
+
+    def a_failures() -> int:
+        return registry.get(a.url).consecutive_failures  # type: ignore[union-attr]
+
+    results = []
+    async with aiohttp.ClientSession() as http:
+        # Round-robin: within two requests one is placed on a first.
+        for i in range(2):
+            if a_failures() < 1:
+                results.append(await post(http, h.url, [i]))
+        assert a_failures() == 1
+        assert registry.get(a.url).healthy  # type: ignore[union-attr]  # slow is not gone
+        assert "timed out" in (registry.get(a.url).last_error or "")  # type: ignore[union-attr]
+        for i in range(2, 4):
+            if a_failures() < 2:
+                results.append(await post(http, h.url, [i]))
+    assert a_failures() == 2
+    assert registry.get(a.url).healthy is False  # type: ignore[union-attr]  # the second in a row
+    assert [status for status, _, _ in results] == [200] * len(results)
+    assert {hdrs["X-Misat-Engine"] for _, _, hdrs in results} == {b.url}
+    assert a.requests == [] and h.state.dispatcher.in_flight == {}
+    metrics = h.state.metrics.render().decode()
+    assert f'misat_engine_connection_failures_total{{engine="{a.url}"}} 2.0' in metrics
+    assert 'misat_requests_total{class="rlvr",outcome="retried"} 2.0' in metrics
+
+
 async def test_failing_health_leaves_rotation_within_two_seconds_and_returns(
     engines: list[FakeEngine], make_router
 ) -> None:

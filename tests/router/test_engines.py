@@ -59,6 +59,20 @@ def make_registry() -> tuple[EngineRegistry, Calls]:
     return reg, c
 
 
+def test_a_counted_failure_shares_the_health_checks_count() -> None:
+    reg, calls = make_registry()
+    reg.set_engines(["http://a"])
+    reg.record_health("http://a", True, down_after=2, up_after=1)
+    reg.count_failure("http://a", "ConnectTimedOut: slow", down_after=2)
+    assert reg.snapshots()["http://a"].healthy and calls.down == []  # one is not enough
+    reg.record_health("http://a", True, down_after=2, up_after=1)  # a passed check starts the count again
+    reg.count_failure("http://a", "ConnectTimedOut: slow", down_after=2)
+    assert reg.snapshots()["http://a"].healthy
+    reg.record_health("http://a", False, down_after=2, up_after=1, error="/health failed")
+    assert calls.down == ["http://a"]  # a timeout and a failed check in a row
+    assert reg.get("http://a").last_error == "/health failed"  # type: ignore[union-attr]
+
+
 def test_registry_health_transitions_and_snapshots() -> None:
     reg, calls = make_registry()
     reg.set_engines(["http://a", "http://b"])
