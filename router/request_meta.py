@@ -84,21 +84,23 @@ def _is_int(v: object) -> bool:
 
 
 _INT_ONLY = frozenset((int,))
+_INT_JSON_CHARS = b"0123456789,-"
+"""What orjson writes for a list of ints, besides its brackets."""
 
 
 def _all_ints(values: list[Any]) -> bool:
     """Every item is an ``int`` and none a ``bool``, checked in C (prompts run to 100K ids).
 
-    ``sum`` takes ints and bools only in its integer loop (a float makes the result a
-    float, anything else raises), and orjson writes an int as digits and a bool as
-    ``true``/``false``: so the items are ints exactly when the sum is an int and their
-    JSON has no ``e``. Both passes are C loops, together about half the cost of a set of
-    the items' types, which is the fallback where they cannot answer (a non-number, an
-    integer past 64 bits: each a TypeError). A generator over ``isinstance`` was a
-    quarter of the router's CPU at 10 requests/s of 20K-token prompts.
+    orjson writes an int as digits with an optional ``-``, and anything else with some other
+    character (a float's ``.`` or ``e``, ``true``, ``null``, a quote, a bracket): so the items
+    are ints exactly when their JSON is ``[]`` once digits, commas and minus signs are deleted.
+    Two C passes (the rendering, ``bytes.translate``); a set of the items' types is the
+    fallback where orjson cannot render (an integer past 64 bits: a TypeError). A generator
+    over ``isinstance`` was a quarter of the router's CPU at 10 requests/s of 20K-token
+    prompts; ``sum`` plus the rendering, the form before this one, cost a third more.
     """
     try:
-        return type(sum(values)) is int and b"e" not in orjson.dumps(values)
+        return orjson.dumps(values).translate(None, _INT_JSON_CHARS) == b"[]"
     except TypeError:
         return set(map(type, values)) == _INT_ONLY
 

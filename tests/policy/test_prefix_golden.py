@@ -10,7 +10,9 @@ by 64-symbol chunks, two walks per placed prompt, every block hashed on every
 turn, one Python step per block), so a change that keeps it passing takes the
 same decisions. The ``keys`` records alone were rewritten since, when the key chain
 moved into C (an XOR of position-tagged block hashes instead of multiply-and-XOR):
-every other record, each match and decision, was unchanged by it.
+every other record, each match and decision, was unchanged by it; and again when a
+token block and its position became one flat tuple to hash (257 of the 280 ``keys``
+records changed, the text keys' did not, and no other record).
 
 The sequences are regenerated here from their seeds; the record keeps, per
 operation, its kind and a 32-bit digest of its canonical JSON answer, so a
