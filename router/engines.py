@@ -219,15 +219,8 @@ class EngineRegistry:
 
     def mark_failed(self, engine_id: str, error: str) -> None:
         """A connection refused, reset or broken while proxying: the engine is gone, out of
-        rotation at once."""
-        st = self._engines.get(engine_id)
-        if st is None:
-            return
-        st.consecutive_successes = 0
-        st.consecutive_failures += 1
-        st.last_error = error
-        if st.healthy:
-            self._set_healthy(st, False, error)
+        rotation at once (a failure that needs no other in a row)."""
+        self.count_failure(engine_id, error, down_after=1)
 
     def _set_healthy(self, st: EngineState, healthy: bool, error: str | None) -> None:
         st.healthy = healthy
