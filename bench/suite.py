@@ -190,7 +190,12 @@ class Baseline(StrEnum):
     SWEEP = "sweep"
     """cache_aware at one trainer ceiling of the oracle sweep."""
     ORACLE = "oracle"
-    """The best sweep point of a cell and seed (a label on a sweep run, never a run of its own)."""
+    """The cell's best sweep ceiling on the mean over its seeds (among the ceilings every seed ran),
+    each seed's run at it: the one value a tuner could have set for the cell (a label on sweep runs,
+    never a run of its own). The goals' yardstick."""
+    ORACLE_PER_SEED = "oracle-per-seed"
+    """Each seed's own best sweep point: stricter than any value one could set, since it also picks
+    the luckiest ceiling of each seed's noise (a label on sweep runs)."""
     TUNED_ONCE = "tuned-once"
     """cache_aware at steady@paper's oracle ceiling, unchanged on this cell."""
     REQUEST_LIMIT = "request-limit"
@@ -204,7 +209,8 @@ class Baseline(StrEnum):
 
 
 BASELINES_VLLM: tuple[Baseline, ...] = (
-    Baseline.ORACLE, Baseline.TUNED_ONCE, Baseline.REQUEST_LIMIT, Baseline.HIGH_LOAD, Baseline.BALANCE_SMALL,
+    Baseline.ORACLE, Baseline.ORACLE_PER_SEED, Baseline.TUNED_ONCE, Baseline.REQUEST_LIMIT, Baseline.HIGH_LOAD,
+    Baseline.BALANCE_SMALL,
 )
 """The vLLM Router cache_aware baselines every cell reports."""
 
@@ -269,8 +275,8 @@ class BenchSettings(BaseModel):
     request_limits_per_engine: tuple[int, ...] = Field(
         (16, 32, 64), min_length=1, description="router request limits swept on steady@paper, per engine")
     refine_max_points: int = Field(
-        12, ge=0, description="refined ceilings per cell and seed at most (each round adds <= 2; steps of 8 "
-        "from a grid step of 64 take 3 rounds)")
+        12, ge=0, description="refined ceilings per cell and seed at most, and as many again around the best "
+        "ceiling on the mean over seeds (each round adds <= 2; steps of 8 from a grid step of 64 take 3 rounds)")
     iterations: int = Field(4, ge=1, description="iterations workload: weight updates")
     iteration_units_per_engine: int = Field(96, ge=1, description="iterations workload: units per engine")
     drift_span_units_per_engine: int = Field(
@@ -539,10 +545,12 @@ def plan_suite(s: BenchSettings, rate: RateOf, cells: list[Cell] | None = None,
     """Every run derivable from what is known (``rate``): call again after running the unknown ones.
 
     Stages per cell and seed: the coarse sweep and the policies under test; then the sweep's
-    refinement around that seed's best point; once the reference cell (steady@paper, same
-    engines) is refined on every seed, the tuned-once ceiling, request limit and balance pair
-    it chose (best mean over seeds) are run on every other cell. A selected cell brings its
-    reference cell's sweep, request-limit sweep and balance runs along.
+    refinement around that seed's best point; then the cell's own refinement around its best
+    ceiling on the mean over seeds, every seed at every new ceiling (``_refine_on_mean``: the
+    oracle); once the reference cell (steady@paper, same engines) is refined, the tuned-once
+    ceiling, request limit and balance pair it chose (best mean over seeds) are run on every
+    other cell. A selected cell brings its reference cell's sweep, request-limit sweep and
+    balance runs along.
     """
     chosen = cells if cells is not None else s.cells()
     names = policies if policies is not None else s.policies
@@ -557,6 +565,8 @@ def plan_suite(s: BenchSettings, rate: RateOf, cells: list[Cell] | None = None,
             points, more = _sweep(cell, seed, s, rate, plan)
             complete = complete and not more
             per_seed[seed] = points
+        if complete:
+            complete = _refine_on_mean(cell, s, rate, plan, per_seed)
         done_sweep[cell] = complete
         best = best_on_mean(per_seed) if complete else None
         if best is not None:
@@ -651,3 +661,36 @@ def _sweep(cell: Cell, seed: int, s: BenchSettings, rate: RateOf, plan: Plan) ->
             return points, True
         refined += len(extra)
     return points, False
+
+
+def _refine_on_mean(cell: Cell, s: BenchSettings, rate: RateOf, plan: Plan,
+                    per_seed: dict[int, dict[int, float]]) -> bool:
+    """The cell's refinement: midpoints around its best ceiling on the mean over seeds, each run on
+    every seed, until that ceiling's neighbours among the ceilings every seed ran are a rounding step
+    away (or ``refine_max_points`` ceilings were added). ``per_seed`` gains the points measured;
+    True when nothing more is to come.
+
+    Why besides each seed's refinement: a seed refines around its own best point, so the ceilings
+    near the cell's best mean may have run on one seed only, and the mean is taken only where every
+    seed ran."""
+    refined = 0
+    while refined < s.refine_max_points:
+        common = set.intersection(*(set(p) for p in per_seed.values()))
+        means = {c: statistics.fmean(p[c] for p in per_seed.values()) for c in common}
+        extra = refine_ceilings(means)[: s.refine_max_points - refined]
+        if not extra:
+            return True
+        done = True
+        for c in extra:
+            for seed, points in per_seed.items():
+                spec = sweep_run(cell, seed, c)
+                plan.runs.append(spec)
+                r = rate(spec)
+                if r is None:
+                    done = False
+                else:
+                    points[c] = r
+        if not done:
+            return False
+        refined += len(extra)
+    return True

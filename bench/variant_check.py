@@ -14,11 +14,21 @@ prints, per cell, the mixture-constrained rate's paired ratio to the oracle
 and to tuned-once (mean and 95% interval over the seeds), prefix hit against
 the ideal, TV against the sampling noise, and the mean and worst cell: the
 inputs of the rule that picks the default (docs/policy.md).
+
+The oracle is the cell's (``misat bench``'s ``oracle`` row): the ceiling with
+the best mean over seeds. v2's sweeps refined around each seed's best point,
+so here every seed runs at each of the three per-seed best ceilings v2 found,
+then at midpoints around the best of their means (``refine_ceilings``) inside
+their span, to steps of 8: if each seed's rate is concave in the ceiling, the
+best ceiling of the mean lies between the seeds' own best ones. The per-seed
+oracle (each seed at its own v2 best) is reported beside it.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
+from collections.abc import Callable
 from pathlib import Path
 
 from misat_bench.cluster_runs import RunCache, RunRecord, run_all
@@ -31,7 +41,9 @@ from misat_bench.suite import (
     Cell,
     RunSpec,
     _spec,
+    best_on_mean,
     cache_aware,
+    refine_ceilings,
     sweep_run,
 )
 
@@ -91,6 +103,46 @@ def baseline_runs(s: BenchSettings, cells: list[Cell]) -> list[RunSpec]:
     return runs
 
 
+CELL_ORACLE_MAX_POINTS = 8
+"""Ceilings added around the best mean at most, per cell (each round adds <= 2)."""
+
+
+def cell_oracle_runs(s: BenchSettings, cell: Cell, rate: Callable[[RunSpec], float | None],
+                     max_points: int = CELL_ORACLE_MAX_POINTS) -> tuple[list[RunSpec], int | None]:
+    """The runs that find the cell's oracle ceiling (best mean over seeds) from v2's per-seed best
+    ceilings, and that ceiling once every run is known (``rate``); call again after running them."""
+    candidates = sorted(set(V2_ORACLE_CEILINGS[cell.id]))
+    low, high = candidates[0], candidates[-1]
+    per_seed: dict[int, dict[int, float]] = {seed: {} for seed in s.seeds}
+    specs: list[RunSpec] = []
+
+    def measure(ceilings: list[int]) -> bool:
+        done = True
+        for c in ceilings:
+            for seed in s.seeds:
+                spec = sweep_run(cell, seed, c)
+                specs.append(spec)
+                r = rate(spec)
+                if r is None:
+                    done = False
+                else:
+                    per_seed[seed][c] = r
+        return done
+
+    if not measure(candidates):
+        return specs, None
+    added = 0
+    while added < max_points:
+        means = {c: statistics.fmean(p[c] for p in per_seed.values()) for c in per_seed[s.seeds[0]]}
+        extra = [c for c in refine_ceilings(means) if low < c < high][: max_points - added]
+        if not extra:
+            break
+        if not measure(extra):
+            return specs, None
+        added += len(extra)
+    return specs, best_on_mean(per_seed)
+
+
 def limit_runs(s: BenchSettings, cells: list[Cell]) -> list[RunSpec]:
     """request-limit (v2's tuned limit) and high-load (no limit) at each cell's high ceiling, every seed:
     the baselines of the 2x goals, paired by seed with the variants (``--limits``)."""
@@ -116,26 +168,40 @@ def _mean(values: list[float]) -> float:
 
 
 def report(s: BenchSettings, cells: list[Cell], policies: list[str], records: dict[str, RunRecord],
-           limits: bool = False) -> str:
+           limits: bool = False, cell_oracle: dict[str, int] | None = None) -> str:
     """The per-cell table and the rule's inputs, per policy, as markdown (with ``limits``, the paired
-    ratios to request-limit and high-load too)."""
+    ratios to request-limit and high-load too; with ``cell_oracle`` (cell id -> ceiling), the oracle
+    is each cell's best ceiling on the mean over seeds and v2's per-seed oracle is a column beside it)."""
     def rates(specs: list[RunSpec]) -> dict[int, float]:
         return {sp.seed_of(s): records[k].metrics.mixture_rate_per_min for sp in specs if (k := sp.key(s)) in records}
 
+    per_cell_oracle = cell_oracle is not None
     out: list[str] = []
     for p in policies:
         out += [f"### {p}", "",
-                "| cell | mix-rate/min | oracle | x oracle | x tuned-once | hit | ideal hit | TV pts | TV noise |"
+                "| cell | mix-rate/min | oracle | x oracle |" + (" x oracle per seed |" if per_cell_oracle else "")
+                + " x tuned-once | hit | ideal hit | TV pts | TV noise |"
                 + (" x request-limit | x high-load |" if limits else ""),
-                "|---|---:|---:|---|---|---:|---:|---:|---:|" + ("---|---|" if limits else "")]
+                "|---|---:|---:|---|" + ("---|" if per_cell_oracle else "") + "---|---:|---:|---:|---:|"
+                + ("---|---|" if limits else "")]
         ratios: list[tuple[str, Interval]] = []
+        per_seed_ratios: list[tuple[str, Interval]] = []
         once_means: list[float] = []
         limit_means: dict[Baseline, list[float]] = {Baseline.REQUEST_LIMIT: [], Baseline.HIGH_LOAD: []}
         for cell in cells:
             base = baseline_runs(s, [cell])
             mine_specs = variant_runs(s, [cell], [p])
             mine = rates(mine_specs)
-            oracle = rates([b for b in base if b.baseline is Baseline.SWEEP])
+            per_seed_oracle = rates([b for b in base if b.baseline is Baseline.SWEEP])
+            oracle = per_seed_oracle
+            per_seed_text = ""
+            if cell_oracle is not None:
+                ceiling = cell_oracle.get(cell.id)
+                oracle = rates([sweep_run(cell, seed, ceiling) for seed in s.seeds]) if ceiling else {}
+                ps = paired_ratio(mine, per_seed_oracle)
+                if ps is not None:
+                    per_seed_ratios.append((cell.id, ps))
+                per_seed_text = f" {ps.describe() + ' ' + verdict(ps).value if ps else '-'} |"
             once = rates([b for b in base if b.baseline is Baseline.TUNED_ONCE])
             r = paired_ratio(mine, oracle)
             if r is None or not mine:
@@ -156,7 +222,7 @@ def report(s: BenchSettings, cells: list[Cell], policies: list[str], records: di
                     extra += f" {lr.describe() + ' ' + verdict(lr).value if lr else '-'} |"
             out.append(
                 f"| {cell.id} | {_mean(list(mine.values())):.1f} | {_mean(list(oracle.values())):.1f} | "
-                f"{r.describe()} {verdict(r).value} | {t.describe() if t else '-'} | "
+                f"{r.describe()} {verdict(r).value} |{per_seed_text} {t.describe() if t else '-'} | "
                 f"{100 * _mean([x.prefix_hit_rate for x in m]):.1f}% | "
                 f"{100 * _mean([x.ideal_prefix_hit_rate for x in m]):.1f}% | "
                 f"{_mean([x.tv_points for x in m]):.2f} | {_mean([x.tv_noise_points for x in m]):.2f} |" + extra)
@@ -164,6 +230,11 @@ def report(s: BenchSettings, cells: list[Cell], policies: list[str], records: di
             worst = min(ratios, key=lambda x: x[1].mean)
             line = (f"Mean over {len(ratios)} cells {_mean([r.mean for _, r in ratios]):.3f}x, "
                     f"worst {worst[0]} {worst[1].mean:.3f}x")
+            if per_seed_ratios:
+                ps_worst = min(per_seed_ratios, key=lambda x: x[1].mean)
+                line += (f" (oracle: each cell's best ceiling on the mean over seeds); against the per-seed oracle "
+                         f"mean {_mean([r.mean for _, r in per_seed_ratios]):.3f}x, worst {ps_worst[0]} "
+                         f"{ps_worst[1].mean:.3f}x")
             if once_means:
                 line += f"; x tuned-once over the changing cells {_mean(once_means):.3f}x"
             for which, means in limit_means.items():
@@ -184,6 +255,12 @@ def main() -> None:
     ap.add_argument("--limits", action="store_true",
                     help=f"also run request-limit (limit {V2_TUNED_REQUEST_LIMIT}) and high-load at each cell's high "
                     "ceiling, every seed, and report the variants' paired ratios to them")
+    ap.add_argument("--cell-oracle", action="store_true",
+                    help="the oracle as misat bench has it now: each cell's best ceiling on the mean over seeds, "
+                    "searched from v2's per-seed best ceilings (runs every seed at them, then refines); v2's "
+                    "per-seed oracle beside it")
+    ap.add_argument("--cell-oracle-points", type=int, default=CELL_ORACLE_MAX_POINTS,
+                    help="ceilings added around the best mean at most, per cell")
     args = ap.parse_args()
     policies = [p for p in args.policies.split(",") if p]
     unknown = [p for p in policies if p not in POLICY_VARIANTS]
@@ -199,11 +276,28 @@ def main() -> None:
         print(f"{'cached' if cached else 'ran   '} {rec.spec.cell(s).id} seed {rec.spec.seed_of(s)} {rec.spec.label}: "
               f"{rec.metrics.mixture_rate_per_min:.1f}/min ({rec.cpu_s:.0f} CPU-s)", flush=True)
 
+    cache = RunCache(args.out / "cache")
     specs = baseline_runs(s, cells) + (limit_runs(s, cells) if args.limits else []) + variant_runs(s, cells, policies)
-    recs = run_all(specs, s, jobs=args.jobs, cache=RunCache(args.out / "cache"), on_done=done)
-    by_key = {r.key: r for r in recs}
+    by_key = {r.key: r for r in run_all(specs, s, jobs=args.jobs, cache=cache, on_done=done)}
+    cell_oracle: dict[str, int] | None = None
+    if args.cell_oracle:
+        def rate(spec: RunSpec) -> float | None:
+            rec = by_key.get(spec.key(s))
+            return None if rec is None else rec.metrics.mixture_rate_per_min
+
+        while True:  # each round names the runs its results so far call for; the cache keeps the rest
+            planned = [cell_oracle_runs(s, cell, rate, args.cell_oracle_points) for cell in cells]
+            todo = [sp for runs, _ in planned for sp in runs if sp.key(s) not in by_key]
+            if not todo:
+                break
+            by_key |= {r.key: r for r in run_all(todo, s, jobs=args.jobs, cache=cache, on_done=done)}
+        cell_oracle = {cell.id: best for cell, (_, best) in zip(cells, planned, strict=True) if best is not None}
+        print()
+        print("Oracle ceilings (best mean over seeds): "
+              + ", ".join(f"{cid} @{c} (v2 per seed {'/'.join(map(str, V2_ORACLE_CEILINGS[cid]))})"
+                          for cid, c in cell_oracle.items()))
     print()
-    print(report(s, cells, policies, by_key, limits=args.limits))
+    print(report(s, cells, policies, by_key, limits=args.limits, cell_oracle=cell_oracle))
 
 
 if __name__ == "__main__":

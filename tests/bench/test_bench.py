@@ -21,7 +21,7 @@ import misat_bench.main as bench_main
 from misat_bench.cluster_runs import RunMetrics, RunRecord, run_spec
 from misat_bench.http_layer import engine_fleet, find_vllm_router, router_process, vllm_router_command
 from misat_bench.main import run_stages
-from misat_bench.report import BenchResult
+from misat_bench.report import BenchResult, summarise
 from misat_bench.steady_state import SteadyStateSettings
 from misat_bench.suite import (
     CEILING_ROUNDING,
@@ -197,6 +197,52 @@ def test_the_oracle_is_refined_to_steps_of_8_per_seed_and_the_whole_sweep_is_kep
     assert len(stages) >= 4  # coarse, refinement rounds, the tuned stage
 
 
+def seed_peaks_apart(spec: RunSpec, s: BenchSettings) -> float:
+    """Seeds whose sweeps peak at different ceilings (36, 50 and 64 per engine)."""
+    engines = spec.engines or s.engines
+    seed = spec.seed_of(s)
+    if spec.baseline is Baseline.POLICY:
+        return 100.0
+    x = math.log2(spec.ceiling / engines) - math.log2((36.0, 50.0, 64.0)[seed])
+    return 100.0 - 10.0 * x * x
+
+
+def test_the_oracle_is_the_cells_best_ceiling_on_the_mean_refined_on_every_seed_and_each_seeds_best_is_beside_it(
+) -> None:
+    s = BenchSettings(mixtures=(PAPER_MIXTURE,), large_fleet_engines=(), changing=(), policies=(DEFAULT_POLICY,))
+    cell = s.cells()[0]
+
+    def record(spec: RunSpec) -> RunRecord:
+        rec = synthetic_record(spec, s)
+        rate = seed_peaks_apart(spec, s)
+        return rec.model_copy(update={"metrics": rec.metrics.model_copy(update={"mixture_rate_per_min": rate})})
+
+    known: dict[str, RunRecord] = {}
+    plan = run_stages(s, [cell], None, lambda specs: [record(sp) for sp in specs], known)
+    sweep: dict[int, dict[int, float]] = {}
+    for sp in plan.runs:
+        if sp.baseline is Baseline.SWEEP:
+            sweep.setdefault(sp.seed_of(s), {})[sp.ceiling] = known[sp.key(s)].metrics.mixture_rate_per_min
+    common = sorted(set.intersection(*(set(p) for p in sweep.values())))
+    means = {c: sum(p[c] for p in sweep.values()) / len(sweep) for c in common}
+    best = pick_oracle(means)
+    i = common.index(best)
+    # Refined on the mean, every seed at every ceiling around it, to the rounding step.
+    assert common[i + 1] - best == CEILING_ROUNDING and best - common[i - 1] == CEILING_ROUNDING
+    assert plan.tuned[cell.id]["ceiling"] == best  # tuned-once takes the same value
+
+    (summary,) = summarise(plan.runs, known, s, [cell], plan.tuned)
+    oracle, per_seed, default = (summary.row(r) for r in ("oracle", "oracle-per-seed", DEFAULT_POLICY))
+    assert oracle is not None and per_seed is not None and default is not None
+    assert summary.cell_oracle_ceiling == best and {f.ceiling for f in oracle.seeds} == {best}
+    assert summary.oracle_ceiling == {seed: pick_oracle(p) for seed, p in sweep.items()}
+    assert summary.oracle_ceiling[0] < best < summary.oracle_ceiling[2]  # the seeds' own bests are not the cell's
+    # Each seed's best is at least its run at the cell's ceiling: the per-seed oracle is the stricter.
+    assert all(r >= 1.0 for r in per_seed.ratios["oracle"].per_seed.values())
+    assert per_seed.ratios["oracle"].interval.mean > 1.0
+    assert default.ratios["oracle"].interval.mean > default.ratios["oracle-per-seed"].interval.mean
+
+
 def test_quick_plans_every_row_on_every_cell_without_running() -> None:
     runs, known, _ = plan_fully(QUICK)
     s = QUICK
@@ -256,8 +302,9 @@ def test_the_pipeline_writes_result_table_and_plots(tmp_path: Path, monkeypatch:
     shift = result.cells[1]
     default = shift.row(DEFAULT_POLICY)
     assert default is not None and default.mixture_rate.n == 2
-    assert set(default.ratios) == {"oracle", "tuned-once", "request-limit", "high-load"}
-    assert {r.role for r in shift.rows} >= {"oracle", "tuned-once", "request-limit", "high-load", "balance-small"}
+    assert set(default.ratios) == {"oracle", "oracle-per-seed", "tuned-once", "request-limit", "high-load"}
+    assert {r.role for r in shift.rows} >= {"oracle", "oracle-per-seed", "tuned-once", "request-limit", "high-load",
+                                            "balance-small"}
     assert result.goals and {g.goal for g in result.goals} >= {"x oracle, every cell", "x oracle, mean over cells"}
     assert result.tuned["steady@paper:2"]["ceiling"] == 96
     assert len({p.seed for p in shift.sweep}) == 2

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from misat_bench.suite import Baseline, BenchSettings, sweep_run
+import math
+
+from misat_bench.suite import CEILING_ROUNDING, Baseline, BenchSettings, RunSpec, sweep_run
 from misat_bench.variant_check import (
     V2_ORACLE_CEILINGS,
     V2_TUNED_ONCE_CEILING,
     V2_TUNED_REQUEST_LIMIT,
     baseline_runs,
+    cell_oracle_runs,
     limit_runs,
     select_cells,
     variant_runs,
@@ -73,3 +76,32 @@ def test_limit_runs_are_the_suites_request_limit_and_high_load_runs() -> None:
     assert {r.policy.concurrency_limit for r in high} == {None}
     assert {r.ceiling for r in mine} == {s.high(cell.engines)}
     assert [r.key(s) for r in high] == [sweep_run(cell, seed, s.high(cell.engines)).key(s) for seed in s.seeds]
+
+
+def test_the_cell_oracle_is_searched_between_the_seeds_own_best_ceilings_on_every_seed() -> None:
+    """agentic10's seeds peaked at 488, 272 and 288 in v2: every seed runs each of them, then the
+    midpoints around the best mean, inside that span, until the neighbours are 8 apart."""
+    s, (cell,) = select_cells(["steady@agentic10:4"])
+    peaks = {0: 330.0, 1: 300.0, 2: 310.0}
+
+    def rate(spec: RunSpec) -> float:
+        return 200.0 - 30.0 * math.log2(spec.ceiling / peaks[spec.seed_of(s)]) ** 2
+
+    known: dict[str, float] = {}
+    for _ in range(20):
+        specs, best = cell_oracle_runs(s, cell, lambda sp: known.get(sp.key(s)))
+        missing = [sp for sp in specs if sp.key(s) not in known]
+        if not missing:
+            break
+        known.update({sp.key(s): rate(sp) for sp in missing})
+    assert best is not None
+    ceilings = sorted({sp.ceiling for sp in specs})
+    assert {272, 288, 488} <= set(ceilings) and min(ceilings) == 272 and max(ceilings) == 488
+    assert all(sp.baseline is Baseline.SWEEP for sp in specs)
+    for c in ceilings:  # every seed at every ceiling searched
+        assert {sp.seed_of(s) for sp in specs if sp.ceiling == c} == set(s.seeds)
+    means = {c: sum(rate(sweep_run(cell, seed, c)) for seed in s.seeds) / len(s.seeds) for c in ceilings}
+    assert best == max(means, key=lambda c: means[c])
+    i = ceilings.index(best)
+    assert ceilings[i + 1] - best == CEILING_ROUNDING and best - ceilings[i - 1] == CEILING_ROUNDING
+    assert 296 <= best <= 328  # near the mean's own peak (about 313), not at any seed's v2 point
