@@ -146,9 +146,12 @@ POLICY_VARIANTS: dict[str, PolicySettings] = {
     "session-admission-hit-memory": PolicySettings(
         name=PolicyName.SESSION_ADMISSION,
         admission=SessionAdmissionSettings(healthy_hit_decay=0.9999, degradation_cost_tolerance=0.0)),
-    # The default before the cost check (docs/policy.md, "The hit guard's cost check").
+    # The default without the hit guard's cost check, as it is again since the oracle is per cell,
+    # and with it, as it was default between (docs/policy.md, "The hit guard's cost check").
     "session-admission-no-cost-check": PolicySettings(
         name=PolicyName.SESSION_ADMISSION, admission=SessionAdmissionSettings(degradation_cost_tolerance=0.0)),
+    "session-admission-cost-check": PolicySettings(
+        name=PolicyName.SESSION_ADMISSION, admission=SessionAdmissionSettings(degradation_cost_tolerance=0.05)),
 }
 """Policies under test by name, each run at the high ceiling with no per-cell tuning. Add a
 variant here (a T-shape, a footprint estimator) and name it in ``--policies``; a variant equal
