@@ -639,31 +639,34 @@ def _balance(cell: Cell, seed: int, pair: tuple[int, float], ceiling: int) -> Ru
 def _sweep(cell: Cell, seed: int, s: BenchSettings, rate: RateOf, plan: Plan) -> tuple[dict[int, float], bool]:
     """Add the cell's sweep for ``seed`` to ``plan``; returns the known points and whether more are to come."""
     points: dict[int, float] = {}
-
-    def measure(ceilings: Sequence[int]) -> bool:
-        """Plan ``ceilings``; True when every one of them has a result already."""
-        done = True
-        for c in ceilings:
-            spec = sweep_run(cell, seed, c)
-            plan.runs.append(spec)
-            r = rate(spec)
-            if r is None:
-                done = False
-            else:
-                points[c] = r
-        return done
-
-    if not measure(s.ceilings(cell.engines)):
+    if not plan_sweep_points(cell, {seed: points}, s.ceilings(cell.engines), rate, plan.runs):
         return points, True
     refined = 0
     while refined < s.refine_max_points:
         extra = refine_ceilings(points)[: s.refine_max_points - refined]
         if not extra:
             break
-        if not measure(extra):
+        if not plan_sweep_points(cell, {seed: points}, extra, rate, plan.runs):
             return points, True
         refined += len(extra)
     return points, False
+
+
+def plan_sweep_points(cell: Cell, per_seed: Mapping[int, dict[int, float]], ceilings: Sequence[int], rate: RateOf,
+                      runs: list[RunSpec]) -> bool:
+    """Name the sweep run of every ceiling for every seed of ``per_seed`` (appended to ``runs``) and
+    record the rates already known in ``per_seed``; True when every one of them is known."""
+    done = True
+    for c in ceilings:
+        for seed, points in per_seed.items():
+            spec = sweep_run(cell, seed, c)
+            runs.append(spec)
+            r = rate(spec)
+            if r is None:
+                done = False
+            else:
+                points[c] = r
+    return done
 
 
 def _refine_on_mean(cell: Cell, s: BenchSettings, rate: RateOf, plan: Plan,
@@ -683,17 +686,7 @@ def _refine_on_mean(cell: Cell, s: BenchSettings, rate: RateOf, plan: Plan,
         extra = refine_ceilings(means)[: s.refine_max_points - refined]
         if not extra:
             return True
-        done = True
-        for c in extra:
-            for seed, points in per_seed.items():
-                spec = sweep_run(cell, seed, c)
-                plan.runs.append(spec)
-                r = rate(spec)
-                if r is None:
-                    done = False
-                else:
-                    points[c] = r
-        if not done:
+        if not plan_sweep_points(cell, per_seed, extra, rate, plan.runs):
             return False
         refined += len(extra)
     return True

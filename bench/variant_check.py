@@ -43,6 +43,7 @@ from misat_bench.suite import (
     _spec,
     best_on_mean,
     cache_aware,
+    plan_sweep_points,
     refine_ceilings,
     sweep_run,
 )
@@ -115,21 +116,7 @@ def cell_oracle_runs(s: BenchSettings, cell: Cell, rate: Callable[[RunSpec], flo
     low, high = candidates[0], candidates[-1]
     per_seed: dict[int, dict[int, float]] = {seed: {} for seed in s.seeds}
     specs: list[RunSpec] = []
-
-    def measure(ceilings: list[int]) -> bool:
-        done = True
-        for c in ceilings:
-            for seed in s.seeds:
-                spec = sweep_run(cell, seed, c)
-                specs.append(spec)
-                r = rate(spec)
-                if r is None:
-                    done = False
-                else:
-                    per_seed[seed][c] = r
-        return done
-
-    if not measure(candidates):
+    if not plan_sweep_points(cell, per_seed, candidates, rate, specs):
         return specs, None
     added = 0
     while added < max_points:
@@ -137,7 +124,7 @@ def cell_oracle_runs(s: BenchSettings, cell: Cell, rate: Callable[[RunSpec], flo
         extra = [c for c in refine_ceilings(means) if low < c < high][: max_points - added]
         if not extra:
             break
-        if not measure(extra):
+        if not plan_sweep_points(cell, per_seed, extra, rate, specs):
             return specs, None
         added += len(extra)
     return specs, best_on_mean(per_seed)
