@@ -275,9 +275,9 @@ def _cell_summary(cell: Cell, mine: list[tuple[RunSpec, RunRecord]], records: Ma
     by_seed: dict[int, dict[int, SeedFigures]] = {}
     for _, f in sweep_figs:
         by_seed.setdefault(f.seed, {})[f.ceiling] = f
-    oracle_c = {seed: pick_oracle({c: f.mixture_rate_per_min for c, f in pts.items()})
-                for seed, pts in by_seed.items()}
-    cell_c = best_on_mean({seed: {c: f.mixture_rate_per_min for c, f in pts.items()} for seed, pts in by_seed.items()})
+    rates = {seed: {c: f.mixture_rate_per_min for c, f in pts.items()} for seed, pts in by_seed.items()}
+    oracle_c = {seed: pick_oracle(r) for seed, r in rates.items()}
+    cell_c = best_on_mean(rates)
     rows: list[CellRow | None] = []
     if cell_c is not None:
         label = f"cache_aware @{cell_c} (best mean over seeds)"
@@ -381,9 +381,7 @@ def _cells_rows(cells: list[CellSummary]) -> list[list[str]]:
                 cs.cell, row.role, row.label,
                 f"{row.mixture_rate.mean:.1f}" + (f" ±{row.mixture_rate.high - row.mixture_rate.mean:.1f}"
                                                   if row.mixture_rate.n > 1 else ""),
-                _ratio(row, Baseline.ORACLE), _ratio(row, Baseline.ORACLE_PER_SEED), _ratio(row, Baseline.TUNED_ONCE),
-                _ratio(row, Baseline.REQUEST_LIMIT),
-                _ratio(row, Baseline.HIGH_LOAD),
+                *(_ratio(row, b) for b in RATIO_AGAINST),
                 _fmt(row.mean("sample_rate_per_min"), ".1f"), _fmt(row.mean("requests_per_min"), ".0f"),
                 _fmt(row.mean("prefill_tokens_per_s"), ".0f"), _fmt(row.mean("decode_tokens_per_s"), ".0f"),
                 _pct(row.mean("prefix_hit_rate")), _pct(row.mean("ideal_prefix_hit_rate")),
@@ -395,8 +393,7 @@ def _cells_rows(cells: list[CellSummary]) -> list[list[str]]:
 
 
 TABLE_COLUMNS: tuple[str, ...] = (
-    "cell", "row", "run", "mix-rate/min (±95%)", "x oracle", "x oracle per seed", "x tuned-once", "x request-limit",
-    "x high-load",
+    "cell", "row", "run", "mix-rate/min (±95%)", *(f"x {b.value}" for b in RATIO_AGAINST),
     "units/min", "req/min", "prefill tok/s", "decode tok/s", "hit", "ideal hit", "preempt", "TV pts",
     "TV noise", "iter s", "converged", "seeds",
 )

@@ -520,15 +520,18 @@ def pick_oracle(points: Mapping[int, float]) -> int:
     return max(sorted(points), key=lambda c: (points[c], -c))
 
 
+def means_over_seeds(per_seed: Mapping[int, Mapping[int, float]]) -> dict[int, float]:
+    """Per value (ceiling, limit) every seed ran: its mean rate over the seeds."""
+    if not per_seed:
+        return {}
+    common = set.intersection(*(set(p) for p in per_seed.values()))
+    return {v: statistics.fmean(p[v] for p in per_seed.values()) for v in common}
+
+
 def best_on_mean(per_seed: Mapping[int, Mapping[int, float]]) -> int | None:
     """The value (ceiling, limit) with the best mean rate over seeds, among those every seed ran."""
-    if not per_seed:
-        return None
-    common = set.intersection(*(set(p) for p in per_seed.values()))
-    if not common:
-        return None
-    means = {v: statistics.fmean(p[v] for p in per_seed.values()) for v in common}
-    return pick_oracle(means)
+    means = means_over_seeds(per_seed)
+    return pick_oracle(means) if means else None
 
 
 RateOf = Callable[[RunSpec], float | None]
@@ -681,9 +684,7 @@ def _refine_on_mean(cell: Cell, s: BenchSettings, rate: RateOf, plan: Plan,
     seed ran."""
     refined = 0
     while refined < s.refine_max_points:
-        common = set.intersection(*(set(p) for p in per_seed.values()))
-        means = {c: statistics.fmean(p[c] for p in per_seed.values()) for c in common}
-        extra = refine_ceilings(means)[: s.refine_max_points - refined]
+        extra = refine_ceilings(means_over_seeds(per_seed))[: s.refine_max_points - refined]
         if not extra:
             return True
         if not plan_sweep_points(cell, per_seed, extra, rate, plan.runs):

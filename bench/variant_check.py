@@ -27,7 +27,6 @@ oracle (each seed at its own v2 best) is reported beside it.
 from __future__ import annotations
 
 import argparse
-import statistics
 from collections.abc import Callable
 from pathlib import Path
 
@@ -43,6 +42,7 @@ from misat_bench.suite import (
     _spec,
     best_on_mean,
     cache_aware,
+    means_over_seeds,
     plan_sweep_points,
     refine_ceilings,
     sweep_run,
@@ -120,8 +120,7 @@ def cell_oracle_runs(s: BenchSettings, cell: Cell, rate: Callable[[RunSpec], flo
         return specs, None
     added = 0
     while added < max_points:
-        means = {c: statistics.fmean(p[c] for p in per_seed.values()) for c in per_seed[s.seeds[0]]}
-        extra = [c for c in refine_ceilings(means) if low < c < high][: max_points - added]
+        extra = [c for c in refine_ceilings(means_over_seeds(per_seed)) if low < c < high][: max_points - added]
         if not extra:
             break
         if not plan_sweep_points(cell, per_seed, extra, rate, specs):
@@ -148,6 +147,10 @@ def variant_runs(s: BenchSettings, cells: list[Cell], policies: list[str]) -> li
     return [_spec(cell, seed, Baseline.POLICY, POLICY_VARIANTS[p], s.high(cell.engines), f"{p} @{s.high(cell.engines)}",
                   variant=p)
             for cell in cells for seed in s.seeds for p in policies]
+
+
+def _with_verdict(i: Interval | None) -> str:
+    return f"{i.describe()} {verdict(i).value}" if i is not None else "-"
 
 
 def _mean(values: list[float]) -> float:
@@ -188,7 +191,7 @@ def report(s: BenchSettings, cells: list[Cell], policies: list[str], records: di
                 ps = paired_ratio(mine, per_seed_oracle)
                 if ps is not None:
                     per_seed_ratios.append((cell.id, ps))
-                per_seed_text = f" {ps.describe() + ' ' + verdict(ps).value if ps else '-'} |"
+                per_seed_text = f" {_with_verdict(ps)} |"
             once = rates([b for b in base if b.baseline is Baseline.TUNED_ONCE])
             r = paired_ratio(mine, oracle)
             if r is None or not mine:
@@ -206,10 +209,10 @@ def report(s: BenchSettings, cells: list[Cell], policies: list[str], records: di
                     lr = paired_ratio(mine, rates([b for b in cell_limits if b.baseline is which]))
                     if lr is not None:
                         limit_means[which].append(lr.mean)
-                    extra += f" {lr.describe() + ' ' + verdict(lr).value if lr else '-'} |"
+                    extra += f" {_with_verdict(lr)} |"
             out.append(
                 f"| {cell.id} | {_mean(list(mine.values())):.1f} | {_mean(list(oracle.values())):.1f} | "
-                f"{r.describe()} {verdict(r).value} |{per_seed_text} {t.describe() if t else '-'} | "
+                f"{_with_verdict(r)} |{per_seed_text} {t.describe() if t else '-'} | "
                 f"{100 * _mean([x.prefix_hit_rate for x in m]):.1f}% | "
                 f"{100 * _mean([x.ideal_prefix_hit_rate for x in m]):.1f}% | "
                 f"{_mean([x.tv_points for x in m]):.2f} | {_mean([x.tv_noise_points for x in m]):.2f} |" + extra)
