@@ -174,6 +174,8 @@ class Router:
     url: str
     app: web.Application
     http: aiohttp.ClientSession
+    clients: list[Any] = field(default_factory=list)
+    """The OpenAI clients ``openai()`` made: ``running_router`` closes them (see ``openai``)."""
 
     async def status(self) -> dict[str, Any]:
         async with self.http.get(f"{self.url}/status") as resp:
@@ -193,9 +195,20 @@ class Router:
         )
 
     def openai(self, **kw: Any) -> Any:
+        """An official OpenAI client of this router, closed when the ``running_router`` block ends.
+
+        Why closed, and not left to the garbage collector: the router shares this event loop. An
+        unclosed client found in a reference cycle has its sockets closed by the collector (the
+        asyncio transports' finalisers) while the client's own finaliser schedules its ``aclose``,
+        which later unregisters those file descriptors from the loop. By then the router may have
+        accepted a new connection on one of the same numbers, whose request is then never read.
+        Seen as a request the router never saw, the client timing out (docs/e2e.md).
+        """
         from openai import AsyncOpenAI
 
-        return AsyncOpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=300.0, **kw)
+        client = AsyncOpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=300.0, **kw)
+        self.clients.append(client)
+        return client
 
 
 async def poll_until(
@@ -219,8 +232,8 @@ async def running_router(config: RouterConfig) -> AsyncIterator[Router]:
     app = create_app(config, admin_token=ADMIN_TOKEN)
     service = await start_service(app)
     http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30))
+    router = Router(url=service.url, app=app, http=http)
     try:
-        router = Router(url=service.url, app=app, http=http)
         n = len(config.engines.urls or ())
 
         async def ready() -> bool:
@@ -230,6 +243,8 @@ async def running_router(config: RouterConfig) -> AsyncIterator[Router]:
         await poll_until(ready, READY_TIMEOUT_S, lambda: _status_brief(router))
         yield router
     finally:
+        for client in router.clients:
+            await client.close()
         await http.close()
         await service.stop()
 
@@ -487,6 +502,34 @@ class PressureRun:
     outputs: list[int] = field(default_factory=list)
 
 
+@dataclass
+class Trail:
+    """Where one request of the trace was, as the client and the router's own state saw it
+    (seconds from the trace's start; None: never)."""
+
+    sent: float | None = None
+    answered: float | None = None
+    held_first: float | None = None
+    held_last: float | None = None
+    placed: float | None = None
+    engine: str | None = None
+    in_flight_last: float | None = None
+
+    def brief(self) -> str:
+        parts = [f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}"
+                 for k, v in vars(self).items() if v is not None]
+        return ", ".join(parts) or "never sent"
+
+
+def _trail_lines(trails: dict[str, Trail], now: float) -> str:
+    """The requests without an answer, each with its trail, and how many the router never saw."""
+    late = {sid: t for sid, t in trails.items() if t.answered is None}
+    unseen = sum(1 for t in late.values() if t.held_first is None and t.placed is None)
+    lines = [f"{sid}: {t.brief()}" for sid, t in sorted(late.items())]
+    return (f"at {now:.1f} s, {len(late)} unanswered ({unseen} never seen by the router, held or "
+            f"in flight): " + "; ".join(lines))
+
+
 async def run_pressure(policy: str, urls: list[str], http: aiohttp.ClientSession) -> PressureRun:
     """The same seeded trace through a fresh router with ``policy``; engine deltas around it."""
     await reset_prefix_caches(http, urls)
@@ -495,36 +538,58 @@ async def run_pressure(policy: str, urls: list[str], http: aiohttp.ClientSession
         before = await engine_counters(http, urls)
         peak_held = peak_running = 0
         stop = asyncio.Event()
+        state = router.app[STATE]
+        trails = {f"pressure-{policy}-{i}": Trail() for i in range(PRESSURE_REQUESTS)}
+        started = time.monotonic()
 
-        async def sample() -> None:  # figures only: the assertions use counters
+        def look() -> None:
+            """Each request's place in the router (its in-process state: exact, and no HTTP)."""
+            t = time.monotonic() - started
+            for entry in state.runner.held():
+                trail = trails.get(entry.req.session_id or "")
+                if trail is not None:
+                    trail.held_first = t if trail.held_first is None else trail.held_first
+                    trail.held_last = t
+            for flight in state.dispatcher.in_flight.values():
+                trail = trails.get(flight.meta.session_id or "")
+                if trail is not None:
+                    trail.placed = t if trail.placed is None else trail.placed
+                    trail.engine, trail.in_flight_last = flight.engine_id, t
+
+        async def sample() -> None:  # figures and the failure's trail only: the assertions use counters
             nonlocal peak_held, peak_running
             while not stop.is_set():
+                look()
                 st = await router.status()
                 peak_held = max(peak_held, st["held_requests"])
                 peak_running = max(peak_running, sum(e["running"] for e in st["engines"]))
                 await asyncio.sleep(0.25)
 
         async def one(i: int) -> int:
+            trail = trails[f"pressure-{policy}-{i}"]
+            trail.sent = time.monotonic() - started
             resp = await client.completions.create(
                 model=MODEL, prompt=_ids(1000 + i, PRESSURE_PROMPT), max_tokens=PRESSURE_OUTPUT,
                 temperature=0.0, extra_body={"ignore_eos": True},
                 extra_headers={"X-Rollout-Class": "rlvr", "X-Session-Id": f"pressure-{policy}-{i}"},
             )  # fmt: skip
+            trail.answered = time.monotonic() - started
             return int(resp.usage.completion_tokens)
 
         sampler = asyncio.create_task(sample())
-        started = time.monotonic()
         try:
             async with asyncio.timeout(400):
                 outputs = await asyncio.gather(*(one(i) for i in range(PRESSURE_REQUESTS)))
         except (TimeoutError, openai.APITimeoutError) as exc:
-            # Seen once in eight runs (2026-12-03, docs/e2e.md): say whether the late request was
-            # held by the router or running on an engine.
+            # The trail says whether a late request was held by the router, ran on an engine, or never
+            # reached it; it is how an unclosed client deafening the router's sockets was found (docs/e2e.md).
             st = await router.status()
             raise AssertionError(
-                f"{policy}: a request did not finish in time; router: held {st['held_requests']} "
-                f"{st['held_by_reason']}, in flight {st['requests_in_flight']}; engines (in flight, running, "
-                f"waiting, KV use): {[(e['id'], e['in_flight'], e['running'], e['waiting'], e['kv_usage']) for e in st['engines']]}"
+                f"{policy}: a request did not finish in time; "
+                f"{_trail_lines(trails, time.monotonic() - started)}; router now: held {st['held_requests']} "
+                f"{st['held_by_reason']}, waiters {state.dispatcher.held_waiters()}, in flight "
+                f"{st['requests_in_flight']}; engines (in flight, running, waiting, KV use): "
+                f"{[(e['id'], e['in_flight'], e['running'], e['waiting'], e['kv_usage']) for e in st['engines']]}"
             ) from exc
         finally:
             stop.set()
