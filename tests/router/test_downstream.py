@@ -33,25 +33,32 @@ class Served:
     def __init__(self, server: DataPlaneServer) -> None:
         self.server = server
         self.port = server.sockets[0].getsockname()[1]
+        self.writers: list[asyncio.StreamWriter] = []
 
     async def connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-        return await asyncio.open_connection("127.0.0.1", self.port)
+        """A raw client connection, closed at the test's end if the test did not (an unclosed one
+        is finalised later and could unregister a file descriptor reused meanwhile: docs/e2e.md)."""
+        reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
+        self.writers.append(writer)
+        return reader, writer
 
 
 @pytest.fixture
 async def serve() -> AsyncIterator[Callable[..., Awaitable[Served]]]:
-    servers: list[DataPlaneServer] = []
+    served: list[Served] = []
 
     async def make(handler: Handler = echo, **limits: object) -> Served:
         server = DataPlaneServer(handler, error_body=http_error_body, max_body_bytes=lambda: MAX_BODY,
                                  limits=ServerLimits(**limits))  # type: ignore[arg-type]
         await server.listen("127.0.0.1", 0, backlog=16)
-        servers.append(server)
-        return Served(server)
+        served.append(Served(server))
+        return served[-1]
 
     yield make
-    for s in servers:
-        await s.close()
+    for one in served:
+        for writer in one.writers:
+            writer.close()
+        await one.server.close()
 
 
 async def read_answer(reader: asyncio.StreamReader) -> tuple[int, dict[str, str], bytes]:
