@@ -7,7 +7,9 @@ admission changes are pushed to the router's admin endpoint with the
 operator's ``RouterClient``, the same path as the operator's hot reload.
 
 Engines are simulated vLLM servers (``misat sim-engine``), one process each
-like real replicas, or real engines given by URL.
+like real replicas, or real engines given by URL. One router runs in this
+process on a thread and event loop of its own (``router_thread``), so the
+caller's loop cannot stall it; router shards run as processes behind HAProxy.
 """
 
 from __future__ import annotations
@@ -31,13 +33,12 @@ from pydantic import ValidationError
 from misat_operator.models import RolloutPoolSpec, describe_spec_error, parse_spec, pool_name_error
 from misat_operator.render import PoolRef, build_router_config
 from misat_operator.router_client import RouterClient, RouterUnavailable
-from misat_router.app import create_app
 from misat_router.config import EnginesConfig, RouterConfig
 from misat_router.policy.settings import PolicyName
 from misat_router.server import LISTEN_BACKLOG
-from misat_router.service import RouterService
 
 from .processes import ProcessStartError, free_port, start_process, stop_processes, wait_http_ok
+from .router_thread import RouterThread
 from .shards import ShardsError, shard_set, sharded_config
 
 ENGINE_START_TIMEOUT_S = 60.0
@@ -314,7 +315,7 @@ async def local_pool(
         unreachable: list[str] = []
     else:
         unreachable = await unreachable_engines(engine_urls)
-    service: RouterService | None = None
+    router: RouterThread | None = None
     n_shards = shards if shards is not None else spec.router.shards
     try:
         config = render_local_config(name, spec, engine_urls, 1, policy=policy, length_scale=length_scale)
@@ -336,14 +337,15 @@ async def local_pool(
             except ShardsError as exc:
                 raise PoolError(str(exc)) from None
             return
-        # Served exactly as `misat router` serves it.
-        service = RouterService(create_app(config, admin_token=token))
+        # Served exactly as `misat router` serves it, on a thread and loop of its own: the
+        # caller's loop (a trainer's) can neither stall it nor deafen its sockets.
+        router = RouterThread(config, token)
         try:
-            await service.start(host, port, backlog=LISTEN_BACKLOG)
+            await router.start(host, port, backlog=LISTEN_BACKLOG)
         except OSError as exc:
-            service = None  # start() closed what it had opened
+            router = None  # start() closed what it had opened
             raise PoolError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
-        bound = service.port
+        bound = router.port
         pool = LocalPool(name, spec, f"http://{host}:{bound}", token, engine_urls, config, length_scale, policy,
                          simulated=bool(engines), warnings=unreachable)
         try:
@@ -351,8 +353,8 @@ async def local_pool(
         finally:
             await pool.client.close()
     finally:
-        if service is not None:
-            await service.stop()
+        if router is not None:
+            await router.stop()
         stop_engines(engines)
 
 

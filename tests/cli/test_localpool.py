@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from openai import AsyncOpenAI
+from openai import AsyncOpenAI, OpenAI
 
 from misat_cli.localpool import LocalPool, PoolError, load_manifest, local_pool, render_local_config
 from misat_cli.up import main as up_main
@@ -86,6 +86,18 @@ async def test_local_pool_serves_and_reloads_admission_live(tmp_path: Path) -> N
         with pytest.raises(PoolError, match="restart"):
             await pool.reload(manifest)
         assert (await pool.status())["generation"] == 2
+
+
+async def test_the_router_serves_while_the_callers_event_loop_is_blocked(tmp_path: Path) -> None:
+    """A trainer that calls the synchronous OpenAI client from a coroutine blocks its own loop
+    until the answer comes; a router on that loop could never answer (the call would time out),
+    so the local pool's router runs on a loop of its own."""
+    async with local_pool(one_engine_manifest(tmp_path), time_scale=200.0) as pool:
+        with OpenAI(base_url=f"{pool.router_url}/v1", api_key="unused", max_retries=0, timeout=60.0,
+                    default_headers={"X-Rollout-Class": "rlhf"}) as client:
+            # Blocking on purpose: nothing else on this loop runs until it returns.
+            out = client.completions.create(model=pool.spec.model.served, prompt=[5, 6, 7, 8], max_tokens=4)
+        assert out.usage is not None and out.usage.completion_tokens == 4
 
 
 def test_up_reports_a_taken_port_without_a_traceback(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
