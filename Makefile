@@ -31,9 +31,10 @@ typecheck: $(STAMP)
 	@for pair in $(TYPECHECK_LINKS); do ln -sfn ../../$${pair#*=} build/typecheck/$${pair%%=*}; done
 	$(VENV)/bin/mypy
 
-# The system package the tests run for real (haproxy in front of router shards); idempotent.
+# The system packages the tests run for real (haproxy in front of router shards; prometheus and
+# promtool for the monitoring files); idempotent.
 test: $(STAMP) lint typecheck
-	bash scripts/system-packages.sh haproxy
+	bash scripts/system-packages.sh haproxy prometheus promtool
 	$(VENV)/bin/pytest
 
 demo: $(STAMP)

@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
-# Debian packages that the proxy benchmark (and the router-shard setup) need:
-# wrk drives the load, nginx serves the instant stub engines, haproxy fronts
-# router shards. Idempotent: installs only what is missing, and refreshes the
-# package lists only when something has to be installed.
-#   scripts/system-packages.sh            all of them (make proxybench)
-#   scripts/system-packages.sh haproxy    only these commands (make test needs haproxy)
+# Debian packages that the proxy benchmark, the router-shard setup and the
+# monitoring tests need: wrk drives the load, nginx serves the instant stub
+# engines, haproxy fronts router shards, prometheus (with promtool) scrapes a
+# live pool for the dashboard's queries and unit-tests the alert rules.
+# Idempotent: installs only what is missing, and refreshes the package lists
+# only when something has to be installed.
+#   scripts/system-packages.sh                        all of them
+#   scripts/system-packages.sh haproxy prometheus     only these commands (make test)
 set -euo pipefail
 
 # command name -> Debian package
-declare -A PACKAGES=([wrk]=wrk [nginx]=nginx [haproxy]=haproxy)
+declare -A PACKAGES=([wrk]=wrk [nginx]=nginx [haproxy]=haproxy [prometheus]=prometheus [promtool]=prometheus)
 
 wanted=("$@")
 if [[ ${#wanted[@]} -eq 0 ]]; then
