@@ -48,7 +48,7 @@ def main() -> None:
         runs.append((f"misa-t {stat} p{pct:g} @{args.high}", PolicySettings(name=PolicyName.MISA_T, footprint=fp),
                      args.high))
     if not args.no_session_admission:
-        runs.append((f"session-admission peak p50 @{args.high}", PolicySettings(name=PolicyName.SESSION_ADMISSION),
+        runs.append((f"session-admission @{args.high}", PolicySettings(name=PolicyName.SESSION_ADMISSION),
                      args.high))
     results = []
     print(f"{'run':34s} {'units/min':>9s} {'hit %':>6s} {'KV %':>5s} {'TV pts':>6s} {'preempt':>7s} "

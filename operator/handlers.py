@@ -71,7 +71,7 @@ from .rollout import (
     routed_port,
     with_rollout_order,
 )
-from .router_client import RouterClient, RouterUnavailable
+from .router_client import ConfigRefused, RouterClient, RouterUnavailable
 from .settings import OperatorSettings
 from .status import (
     INVALID_SPEC,
@@ -79,11 +79,13 @@ from .status import (
     Cond,
     Observed,
     Pending,
+    PushError,
     Stall,
     deployment_ready,
     merge_conditions,
     now_iso,
     pool_conditions,
+    push_condition,
     router_view,
     shards_error,
     shards_view,
@@ -248,16 +250,18 @@ def router_urls(rt: Runtime, ref: PoolRef, pool: RolloutPoolSpec) -> list[str]:
 
 async def push_config(
     rt: Runtime, ref: PoolRef, pool: RolloutPoolSpec, token: str, config: RouterConfig
-) -> str | None:
-    """Push the config to the router (every shard); returns the error text, or None when all took it."""
+) -> PushError | None:
+    """Push the config to the router (every shard); None when all took it."""
     errors = []
+    refused = True
     urls = router_urls(rt, ref, pool)
     for i, url in enumerate(urls):
         try:
             await rt.router.push_config(url, token, config)
         except RouterUnavailable as exc:
             errors.append(f"shard {i}: {exc}" if len(urls) > 1 else str(exc))
-    return "; ".join(errors) or None
+            refused = refused and isinstance(exc, ConfigRefused)
+    return PushError("; ".join(errors), refused) if errors else None
 
 
 async def shard_readings(rt: Runtime, ref: PoolRef, pool: RolloutPoolSpec) -> list[ShardReading]:
@@ -317,14 +321,14 @@ async def observe(
 
 def build_status(
     rt: Runtime, ref: PoolRef, pool: RolloutPoolSpec, obs: Observed, view: dict[str, Any] | None,
-    push_error: str | None, conds: list[Cond], drain: dict[str, Any] | None,
+    push_error: PushError | None, conds: list[Cond], drain: dict[str, Any] | None,
     readings: list[ShardReading] | None = None,
 ) -> dict[str, Any]:
     """Everything the status shows from one observation (a merge patch of .status)."""
     names = ref.names
     if push_error and not (obs.router and obs.router.generation >= ref.generation):
         conds = [c for c in conds if c.type != "ConfigApplied"]
-        conds.append(Cond("ConfigApplied", False, "PushFailed", push_error))
+        conds.append(push_condition(push_error))
     out: dict[str, Any] = {"observedGeneration": ref.generation, "conditions": conds,
                            "effective": effective_values(pool)}
     out["engines"] = {
@@ -347,7 +351,7 @@ def build_status(
         "desiredGeneration": ref.generation,
         "appliedGeneration": obs.router.generation if obs.router else None,
         "hash": obs.router.config_hash if obs.router else None,
-        "lastError": push_error or (obs.router.last_reload_error if obs.router else None),
+        "lastError": push_error.message if push_error else (obs.router.last_reload_error if obs.router else None),
     }
     if view is not None:
         out.update(view)

@@ -193,7 +193,7 @@ class Shutdown(_Model):
     drain_seconds: int | None = Field(
         None, ge=0, le=24 * 3600,
         description="Engines: vLLM --shutdown-timeout, how long running generations may finish "
-        "(default 600). Router: ignored (the router's own drainTimeoutS applies).",
+        "(default 600). Router: ignored (the router drains for its config's drain_timeout_s, 30 s by default).",
     )
 
 
@@ -584,7 +584,7 @@ class RouterSpec(PodSettings):
             problems.append((".probes.startupBudgetSeconds", "applies to engines only"))
         if self.shutdown.drain_seconds is not None:
             problems.append((".shutdown.drainSeconds", "applies to engines only (the router drains for its "
-                                                       "drainTimeoutS)"))
+                                                       "config's drain_timeout_s)"))
         if self.handback_idle_seconds is not None and self.shards <= 1:
             problems.append((".handbackIdleSeconds", "applies to router shards only (shards above 1)"))
         if self.shards > 1 and self.replicas != 1:

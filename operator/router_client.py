@@ -22,6 +22,14 @@ class RouterUnavailable(Exception):
     """The router could not be reached or answered with an error (message says which)."""
 
 
+class ConfigRefused(RouterUnavailable):
+    """The router answered and refused the config (400: invalid or not applicable now, e.g. it drops
+    a class with live sessions; 409: an older generation): it keeps the one it runs."""
+
+
+REFUSAL_STATUSES = frozenset({400, 409})
+
+
 @dataclass(frozen=True, slots=True)
 class PushResult:
     applied: bool
@@ -58,7 +66,8 @@ class RouterClient:
             ) as resp:
                 body = await resp.json(content_type=None)
                 if resp.status != 200:
-                    raise RouterUnavailable(f"PUT /admin/config: {resp.status} {_error_message(body)}")
+                    error = ConfigRefused if resp.status in REFUSAL_STATUSES else RouterUnavailable
+                    raise error(f"PUT /admin/config: {resp.status} {_error_message(body)}")
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             raise RouterUnavailable(f"PUT /admin/config: {type(exc).__name__}: {exc}") from None
         return PushResult(bool(body["applied"]), int(body["generation"]), str(body["config_hash"]),

@@ -152,6 +152,21 @@ class Observed:
     proxy_ready_replicas: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class PushError:
+    """Why the last push of the config did not take: ``refused`` when every router that failed
+    answered and said no (it keeps the config it runs), not when one could not be reached."""
+
+    message: str
+    refused: bool
+
+
+def push_condition(error: PushError) -> Cond:
+    """ConfigApplied after a failed push: the router's refusal (ReloadRefused: the spec must change)
+    or a failed delivery (PushFailed: the next pass pushes again)."""
+    return Cond(CONFIG_APPLIED, False, "ReloadRefused" if error.refused else "PushFailed", error.message)
+
+
 def config_condition(obs: Observed) -> Cond:
     if obs.router is not None and obs.router.generation >= obs.generation:
         return Cond(CONFIG_APPLIED, True, "Applied", f"router reports generation {obs.generation}")

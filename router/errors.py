@@ -1,9 +1,10 @@
 """Domain errors of the router, and the OpenAI-style body every error is sent with.
 
 The classes here say *what* went wrong in the router's own terms; they carry
-no HTTP status. ``app.error_middleware`` (the edge) maps each class to a status
-code in one table, so handlers and core code raise domain errors and never
-build HTTP error responses themselves.
+no HTTP status. ``http_errors`` (the edge: the control app's ``error_middleware``
+and the data plane's ``error_answer``) maps each class to a status code in one
+table, so handlers and core code raise domain errors and never build HTTP error
+responses themselves.
 """
 
 from __future__ import annotations

@@ -11,8 +11,11 @@ it changes:
   mixture counts, engine health and metrics.
 - **Workloads changed, policy settings not**: ``runner.set_mix`` retargets the
   mixture and tells the policy (which keeps what it learned).
-- **Policy settings or name changed**: a new policy is built and the live
-  work is re-registered with it: held requests (``on_hold``), in-flight
+- **Policy settings changed, same policy**: the knobs are applied in place
+  (``PolicyRunner.apply_settings``), so what the policy learned (footprint and
+  residency estimates, hit-rate history, the prefix index) is kept.
+- **Policy name changed** (or the static concurrency limit added or removed):
+  a new policy is built and the live work is re-registered with it: held requests (``on_hold``), in-flight
   requests (``on_placed``), idle multi-turn sessions (a zero-token
   ``on_placed`` + ``on_finished`` on their engine, so they keep counting
   against caps), and the latest engine snapshots (``on_metrics``). What the

@@ -11,6 +11,7 @@ ConfigMap + PUT /admin/config -> router /status -> pool status) and printed.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
 import copy
@@ -228,6 +229,63 @@ async def test_pool_lifecycle(
         and isinstance(r.data, dict) and "spec" in r.data
     ]
     assert len(spec_writes) == 3
+
+
+async def test_a_config_the_router_refuses_shows_its_reason_until_it_can_apply(
+    k8s: Any, fresh_kopf_registry: kopf.OperatorRegistry, live_router: Any, waiter: Callable[..., Any],
+    mixed_pool: dict[str, Any],
+) -> None:
+    """Dropping a class that still has work: the router refuses the push and keeps its config, the
+    pool says ReloadRefused with the router's reason (not PushFailed: the router was reached and
+    said no), and the operator's next pushes apply it once the class has drained."""
+    body = copy.deepcopy(mixed_pool)
+    body["metadata"]["namespace"] = NS
+    live_router.dns[f"mixed-pool-engines.{NS}.svc.cluster.local"] = live_router.engines
+    api = str(k8s.url).rstrip("/")
+    pool = lambda: _obj(k8s, POOLS, "mixed-pool")  # noqa: E731
+    async with (
+        running_operator(fresh_kopf_registry, api, live_router.url),
+        aiohttp.ClientSession(api) as http,
+        aiohttp.ClientSession() as client,
+    ):
+        await _api(http, "POST", POOL_URL, body, "application/json")
+        await waiter(lambda: _obj(k8s, "v1/secrets", "mixed-pool-router-admin"), WAIT_S, "admin secret")
+        secret = _obj(k8s, "v1/secrets", "mixed-pool-router-admin")
+        live_router.mount_token(base64.b64decode(secret["data"]["token"]).decode())  # type: ignore[index]
+        await waiter(lambda: _cond(pool(), "ConfigApplied").get("status") == "True", WAIT_S, "config applied")
+
+        # An rlhf request held by a pause: the class has work in the router.
+        live_router.state.pause()
+        held = asyncio.create_task(client.post(
+            f"{live_router.url}/v1/completions", headers={"X-Rollout-Class": "rlhf"},
+            json={"model": "policy", "prompt": [5, 6, 7], "max_tokens": 2}))
+        try:
+            await refused_until_drained(http, pool, live_router, held, waiter)
+        finally:
+            held.cancel()  # only left running when the test failed before it was answered
+        assert {c.name for c in live_router.state.config.workloads.classes} == {"agentic", "rlvr"}
+
+
+async def refused_until_drained(http: aiohttp.ClientSession, pool: Callable[[], Any], live_router: Any,
+                                held: asyncio.Task[Any], waiter: Callable[..., Any]) -> None:
+    await waiter(lambda: live_router.state.runner.held_count("rlhf") == 1, WAIT_S, "the rlhf request held")
+
+    without_rlhf = [{"name": "agentic", "share": 60.0, "multiTurn": True}, {"name": "rlvr", "share": 40.0}]
+    await _api(http, "PATCH", f"{POOL_URL}/mixed-pool", {"spec": {"workloads": without_rlhf}},
+               "application/merge-patch+json")
+    await waiter(lambda: _cond(pool(), "ConfigApplied").get("reason") == "ReloadRefused", WAIT_S, "refusal")
+    refused = _cond(pool(), "ConfigApplied")
+    assert refused["status"] == "False" and refused["observedGeneration"] == 2
+    assert refused["message"].startswith("PUT /admin/config: 400 ") and "drops ['rlhf']" in refused["message"]
+    assert pool()["status"]["config"]["lastError"] == refused["message"]
+    assert live_router.state.config.generation == 1
+
+    # Drained: the operator's next push applies the new classes.
+    live_router.state.resume()
+    async with await held as resp:
+        assert resp.status == 200
+    await waiter(lambda: _cond(pool(), "ConfigApplied").get("status") == "True"
+                 and _cond(pool(), "ConfigApplied")["observedGeneration"] == 2, WAIT_S, "applied after the drain")
 
 
 async def test_router_scaled_to_zero_is_not_pushed(
