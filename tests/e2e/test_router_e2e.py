@@ -1,9 +1,8 @@
 """The MISA-T router in front of two real vLLM CPU servers (``make e2e``).
 
 Why: the router's unit tests talk to a fake engine written from our reading of
-vLLM. Here the router (the in-process aiohttp app from ``create_app``, served
-with ``handler_cancellation=True`` on a free port, exactly as
-``misat router`` serves it) fronts the session's two real vLLM servers
+vLLM. Here the router (the app from ``create_app``, served by ``start_service`` on a
+free port, exactly as ``misat router`` serves it) fronts the session's two real vLLM servers
 (``conftest.vllm_servers``: tiny model, 16 KV blocks of 128 tokens,
 ``--max-model-len 1024``, ``--max-num-seqs 8``, prefix caching on). Each test
 gets a fresh router, so its counters belong to that test alone; the engines
@@ -116,7 +115,7 @@ def router_config(urls: list[str], policy: str = "misa-t", generation: int = 1, 
 def trainer_spec() -> WorkloadSpec:
     """The paper's mixture at 1/128 scale so every request fits ``--max-model-len 1024``.
 
-    Context limit 120,000 x 1/128 = 937 tokens (prompt + output, every turn);
+    Context limit round(120,000 x 1/128) = 938 tokens (prompt + output, every turn);
     GRPO groups of 4; prompts at 1/4 scale (tens to hundreds of tokens); about
     6-10 agentic turns (``turn_scale`` 0.1), whose growing contexts are what
     the prefix cache serves.
