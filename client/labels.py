@@ -1,4 +1,4 @@
-"""The rollout labels a request carries to the router: workload class, session, turn, end.
+"""The rollout labels a request carries to the router: workload class, session, turn, end, engine.
 
 Dependency-free (standard library only), so any HTTP client can use it. The names are the
 router's (``docs/router.md``, "Rollout metadata"); ``tests/client`` checks them against
@@ -18,6 +18,9 @@ HEADER_CLASS = "X-Rollout-Class"
 HEADER_SESSION_ID = "X-Session-Id"
 HEADER_TURN = "X-Session-Turn"
 HEADER_END = "X-Session-End"
+HEADER_ENGINE = "X-Session-Engine"
+ANSWER_ENGINE_HEADER = "X-Misat-Engine"
+"""The router's answer names the engine that served it; a session sends it back as HEADER_ENGINE."""
 BODY_ROLLOUT_FIELD = "rollout"
 SESSION_END_PATH = "/v1/sessions/{session_id}/end"
 """Where a live multi-turn session is ended explicitly (200 when it was live, 404 when not)."""
@@ -32,13 +35,17 @@ class RolloutLabels:
     - ``session_id``: keeps a multi-turn trajectory (or a GRPO group) together;
     - ``turn``: the turn number, >= 0 (the router treats an unknown session with turn > 0 as a
       continuation);
-    - ``end``: the session ends when this request completes.
+    - ``end``: the session ends when this request completes;
+    - ``engine``: the engine that served the session's previous turn (its answer's
+      ``X-Misat-Engine``). A router that does not know the session (it restarted, or the
+      session came from another shard) places the turn there, where its KV is.
     """
 
     rollout_class: str | None = None
     session_id: str | None = None
     turn: int | None = None
     end: bool = False
+    engine: str | None = None
 
     def __post_init__(self) -> None:
         if self.turn is not None and (isinstance(self.turn, bool) or self.turn < 0):
@@ -47,10 +54,12 @@ class RolloutLabels:
             raise ValueError("session_id must not be empty")
         if self.rollout_class is not None and not self.rollout_class.strip():
             raise ValueError("rollout_class must not be empty")
+        if self.engine is not None and not self.engine:
+            raise ValueError("engine must not be empty")
 
-    def with_turn(self, turn: int, *, end: bool = False) -> RolloutLabels:
-        """The same labels for turn ``turn``."""
-        return replace(self, turn=turn, end=end)
+    def with_turn(self, turn: int, *, end: bool = False, engine: str | None = None) -> RolloutLabels:
+        """The same labels for turn ``turn`` (whose previous turn ran on ``engine``, if known)."""
+        return replace(self, turn=turn, end=end, engine=engine)
 
     def headers(self) -> dict[str, str]:
         """The labels as HTTP headers (only the fields that are set)."""
@@ -63,6 +72,8 @@ class RolloutLabels:
             out[HEADER_TURN] = str(self.turn)
         if self.end:
             out[HEADER_END] = "true"
+        if self.engine is not None:
+            out[HEADER_ENGINE] = self.engine
         return out
 
     def body(self) -> dict[str, Any]:
@@ -76,6 +87,8 @@ class RolloutLabels:
             out["turn"] = self.turn
         if self.end:
             out["end"] = True
+        if self.engine is not None:
+            out["engine"] = self.engine
         return out
 
     def add_to_body(self, payload: dict[str, Any]) -> dict[str, Any]:

@@ -1,7 +1,9 @@
 """A rollout session: one trajectory (or one GRPO group) as the router sees it.
 
 A session object labels every request it sends with the workload class, the session id and
-the turn number (``labels.py``), counts the turns, retries a request the router held past its
+the turn number (``labels.py``), and each turn after the first with the engine that served the
+one before (so a router that restarted, or a shard that took the session over, finds its KV),
+counts the turns, retries a request the router held past its
 deadline after the answer's ``Retry-After`` (bounded by ``HoldRetry``), and ends the session
 at the router when its ``with`` block exits, also when the block raised: a trajectory that
 failed half-way must not keep its KV reservation until the router's idle timeout.
@@ -28,12 +30,12 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from .errors import HeldTooLong, MisatClientError, error_code
-from .labels import RolloutLabels, session_end_path
+from .labels import ANSWER_ENGINE_HEADER, RolloutLabels, session_end_path
 from .retry import HoldRetry, is_held
 from .transport import DEFAULT_TIMEOUT_S, Answer, AsyncTransport, HttpCall, SyncTransport
 
@@ -70,6 +72,13 @@ def _held_retry_after(exc: BaseException) -> object:
     return value if isinstance(value, str) else None
 
 
+def _answer_headers(result: object) -> Mapping[str, str] | None:
+    """The HTTP headers of an SDK call's result where it has them (the official ``openai`` client's
+    ``with_raw_response`` answers do; its parsed objects do not, so their engine stays unknown)."""
+    headers = getattr(result, "headers", None)
+    return headers if isinstance(headers, Mapping) else None
+
+
 def _held_error(exc: BaseException, attempts: int) -> HeldTooLong:
     body = getattr(exc, "body", None)
     raw = json.dumps({"error": body} if isinstance(body, dict) else {"error": {"message": str(exc)}}).encode()
@@ -86,6 +95,8 @@ class _SessionCore:
         self.turns = 0
         self.closed = False
         self._end_requested = False
+        self.engine: str | None = None
+        """The engine of the latest answer (``X-Misat-Engine``), sent with the next turn."""
 
     @property
     def id(self) -> str:
@@ -95,14 +106,18 @@ class _SessionCore:
     def take_turn(self, end: bool) -> RolloutLabels:
         if self.closed:
             raise SessionEnded(f"session {self.id!r} has ended")
-        labels = self.labels.with_turn(self.turns, end=end)
+        labels = self.labels.with_turn(self.turns, end=end, engine=self.engine if self.turns else None)
         self.turns += 1
         return labels
 
-    def answered(self, labels: RolloutLabels) -> None:
-        """A request completed: one sent with ``end`` ended the session at the router."""
+    def answered(self, labels: RolloutLabels, headers: Mapping[str, str] | None = None) -> None:
+        """A request completed: one sent with ``end`` ended the session at the router. ``headers``
+        (any case-insensitive or lower-cased mapping) name the engine that served it."""
         if labels.end:
             self._end_requested = True
+        engine = headers.get(ANSWER_ENGINE_HEADER.lower()) if headers is not None else None
+        if engine:
+            self.engine = engine
 
     def owes_end(self) -> bool:
         """Whether the router may still hold this session live (a request went out, none ended it)."""
@@ -145,6 +160,12 @@ class _Labelled:
     @property
     def labels(self) -> RolloutLabels:
         return self._core.labels
+
+    @property
+    def engine(self) -> str | None:
+        """The engine that served the latest turn (its answer's ``X-Misat-Engine``), sent with the next
+        turn as ``X-Session-Engine``; None before an answer named one."""
+        return self._core.engine
 
     @property
     def turns(self) -> int:
@@ -217,7 +238,7 @@ class AsyncRolloutSession(_Labelled):
                 await self._sleep(delay)
                 attempt += 1
                 continue
-            self._core.answered(labels)
+            self._core.answered(labels, _answer_headers(result))
             return result
 
     async def post(self, path: str, payload: dict[str, Any], *, end: bool = False) -> dict[str, Any]:
@@ -234,7 +255,7 @@ class AsyncRolloutSession(_Labelled):
             await self._sleep(delay)
             attempt += 1
         answer.raise_for_status()
-        self._core.answered(labels)
+        self._core.answered(labels, answer.headers)
         result: dict[str, Any] = answer.json()
         return result
 
@@ -318,7 +339,7 @@ class RolloutSession(_Labelled):
                 self._sleep(delay)
                 attempt += 1
                 continue
-            self._core.answered(labels)
+            self._core.answered(labels, _answer_headers(result))
             return result
 
     def post(self, path: str, payload: dict[str, Any], *, end: bool = False) -> dict[str, Any]:
@@ -333,7 +354,7 @@ class RolloutSession(_Labelled):
             self._sleep(delay)
             attempt += 1
         answer.raise_for_status()
-        self._core.answered(labels)
+        self._core.answered(labels, answer.headers)
         result: dict[str, Any] = answer.json()
         return result
 

@@ -10,6 +10,8 @@ header                 body field                   meaning
 ``X-Session-Id``       ``rollout.session_id``       session id (multi-turn, or a group)
 ``X-Session-Turn``     ``rollout.turn``             turn number, integer >= 0
 ``X-Session-End``      ``rollout.end``              last request of the session
+``X-Session-Engine``   ``rollout.engine``           engine of the session's previous turn
+                                                    (its answer's ``X-Misat-Engine``)
 =====================  ===========================  ==================================
 
 The router removes the ``rollout`` object before forwarding (vLLM would reject
@@ -49,10 +51,11 @@ HEADER_CLASS = "X-Rollout-Class"
 HEADER_SESSION_ID = "X-Session-Id"
 HEADER_TURN = "X-Session-Turn"
 HEADER_END = "X-Session-End"
-_LOWER_CLASS, _LOWER_SESSION_ID, _LOWER_TURN, _LOWER_END = (
-    h.lower() for h in (HEADER_CLASS, HEADER_SESSION_ID, HEADER_TURN, HEADER_END))
+HEADER_ENGINE = "X-Session-Engine"
+_LOWER_CLASS, _LOWER_SESSION_ID, _LOWER_TURN, _LOWER_END, _LOWER_ENGINE = (
+    h.lower() for h in (HEADER_CLASS, HEADER_SESSION_ID, HEADER_TURN, HEADER_END, HEADER_ENGINE))
 BODY_ROLLOUT_FIELD = "rollout"
-ROLLOUT_KEYS = ("class", "session_id", "turn", "end")
+ROLLOUT_KEYS = ("class", "session_id", "turn", "end", "engine")
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
@@ -304,6 +307,13 @@ def parse_request(
         "rollout.end",
     )
 
+    engine_b = rollout.get("engine")
+    if engine_b is not None and not isinstance(engine_b, str):
+        raise InvalidRequest("rollout.engine must be a string", param="rollout.engine")
+    engine_hint = _merge(headers.get(_LOWER_ENGINE), engine_b, "rollout.engine")
+    if engine_hint == "":
+        raise InvalidRequest("the session's engine must not be empty", param="rollout.engine")
+
     if kind is EndpointKind.COMPLETIONS:
         if "prompt" not in obj:
             raise InvalidRequest("prompt is required", param="prompt")
@@ -330,6 +340,7 @@ def parse_request(
         prompt_tokens=prompt.tokens,
         max_tokens=max_tokens,
         end_of_session=bool(end),
+        engine_hint=engine_hint,  # type: ignore[arg-type]
         samples=prompt.count * int(obj.get("n") or 1),
     )
     spec = mix.get(cls)

@@ -1,7 +1,8 @@
 """A multi-turn agent loop on the official ``openai`` client, through the router.
 
 Each trajectory is one session: every chat call carries the class, the session id and the
-turn; between calls the agent's tools run (the "tool gap", while the router keeps the
+turn, and each after the first the engine that answered the one before (a restarted router
+puts the turn back where its KV is); between calls the agent's tools run (the "tool gap", while the router keeps the
 session's KV where it is); the session ends when the loop does, also when a tool raised.
 
     loop = OpenAIAgentLoop(AsyncOpenAI(base_url=router + "/v1", api_key="-"), model="policy")
@@ -105,8 +106,11 @@ class OpenAIAgentLoop:
             trajectory = Trajectory(session_id=s.id, messages=conversation)
             for turn in range(self.max_turns):
                 last = turn == self.max_turns - 1
-                reply = await s.create(client.chat.completions.create, model=self.model,
-                                       messages=conversation, end=last, **self.sampling)
+                # The raw answer's headers name the engine, which the session sends with the next
+                # turn (a restarted router puts the turn back where its KV is).
+                raw = await s.create(client.with_raw_response.chat.completions.create, model=self.model,
+                                     messages=conversation, end=last, **self.sampling)
+                reply = raw.parse()
                 trajectory.replies.append(reply)
                 trajectory.finish_reasons.append(reply.choices[0].finish_reason)
                 if reply.usage is not None:

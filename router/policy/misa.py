@@ -371,6 +371,12 @@ class MisaPolicy(Policy):
         healthy = healthy_ids(engines)
         if not healthy:
             return Decision.hold(Reason.HOLD_NO_ENGINE)
+        if live is None and req.engine_hint is not None and req.turn > 0 and req.session_id is not None:
+            # A session begun before a restart, or on another shard: its KV is where its client
+            # says; the prefix index, which would find it, starts empty.
+            snap = engines.get(req.engine_hint)
+            if snap is not None and snap.healthy:
+                return Decision.place(req.engine_hint, Reason.CONTINUATION_HINTED)
         if live is not None or (req.turn > 0 and req.session_id is not None):
             cost, engine, hit = self._by_cost(req, engines, healthy)[0]
             return Decision.place(engine, Reason.CONTINUATION_MOVED, {"cost": cost, "hit_tokens": hit})

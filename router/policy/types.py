@@ -35,6 +35,10 @@ class RequestMeta:
     prompt_tokens: int = 0
     max_tokens: int | None = None
     end_of_session: bool = False
+    engine_hint: str | None = None
+    """The engine the client says the session's previous turn ran on (``X-Session-Engine``: the
+    ``X-Misat-Engine`` of its last answer). Only a continuation of a session this router does not
+    know (it restarted, or the session came from another shard) is placed by it."""
     samples: int = 1
     """Sequences the engine runs for this request: the OpenAI ``n`` times the prompts of a
     batch. vLLM runs each as its own request (children sharing the prompt's cached blocks), so
@@ -92,6 +96,8 @@ class Reason(StrEnum):
     """The session already lives on this engine."""
     CONTINUATION_MOVED = "continuation_moved"
     """The session's engine is gone; the continuation was placed anew."""
+    CONTINUATION_HINTED = "continuation_hinted"
+    """A session this router does not know, placed on the engine its client named (its KV is there)."""
     NEW_SESSION = "new_session"
     """Admitted as a new session, placed by estimated cost."""
     ROUND_ROBIN = "round_robin"

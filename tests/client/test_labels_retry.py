@@ -9,7 +9,7 @@ import pytest
 from misat_client import HoldRetry, RolloutLabels
 from misat_client import labels as client_labels
 from misat_client.retry import HOLD_CODE, is_held, parse_retry_after
-from misat_router import request_meta
+from misat_router import proxy, request_meta
 from misat_router.errors import HoldDeadlineExceeded
 
 NOW = 1_700_000_000.0
@@ -20,8 +20,10 @@ def test_label_names_are_the_routers() -> None:
     assert client_labels.HEADER_SESSION_ID == request_meta.HEADER_SESSION_ID
     assert client_labels.HEADER_TURN == request_meta.HEADER_TURN
     assert client_labels.HEADER_END == request_meta.HEADER_END
+    assert client_labels.HEADER_ENGINE == request_meta.HEADER_ENGINE
+    assert proxy.ENGINE_HEADER.decode() == client_labels.ANSWER_ENGINE_HEADER
     assert client_labels.BODY_ROLLOUT_FIELD == request_meta.BODY_ROLLOUT_FIELD
-    full = RolloutLabels("agentic", "s-1", 2, end=True).body()
+    full = RolloutLabels("agentic", "s-1", 2, end=True, engine="http://e:8000").body()
     assert set(full) == set(request_meta.ROLLOUT_KEYS)
 
 
@@ -38,6 +40,11 @@ def test_headers_and_body_carry_only_what_is_set() -> None:
     assert third.add_to_body({"prompt": [1]}) == {
         "prompt": [1], "rollout": {"class": "agentic", "session_id": "traj-7", "turn": 3, "end": True}}
     assert RolloutLabels().headers() == {} and RolloutLabels().body() == {}
+    after = labels.with_turn(4, engine="http://10.0.0.7:8000")
+    assert after.headers()["X-Session-Engine"] == "http://10.0.0.7:8000"
+    assert after.body()["engine"] == "http://10.0.0.7:8000"
+    with pytest.raises(ValueError, match="engine"):
+        RolloutLabels("agentic", "traj-7", engine="")
 
 
 @pytest.mark.parametrize("bad", [{"turn": -1}, {"turn": True}, {"session_id": " "}, {"rollout_class": ""}])

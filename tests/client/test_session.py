@@ -36,6 +36,9 @@ async def test_turns_are_labelled_counted_and_the_session_ends_on_exit(fake_pool
         assert s.turns == 3
         assert pool.live_sessions("agentic") == 1
     assert labels_seen(pool) == [("agentic", "traj-1", str(t)) for t in range(3)]
+    # Each turn after the first names the engine of the answer before it (X-Misat-Engine).
+    assert [header(pool, i, "X-Session-Engine") for i in range(3)] == [None, pool.engine_urls[0], pool.engine_urls[0]]
+    assert s.engine == pool.engine_urls[0]
     assert pool.live_sessions("agentic") == 0
     with pytest.raises(SessionEnded):
         await s.completions(model=pool.model, prompt=[1], max_tokens=1)
@@ -138,6 +141,23 @@ async def test_the_openai_client_carries_the_labels_and_its_held_answers_are_ret
     assert labels_seen(pool) == [("agentic", s.id, "0"), ("agentic", s.id, "1")]
     assert header(pool, -1, "X-Trace") == "t1"
     assert pool.live_sessions("agentic") == 0
+
+
+async def test_an_sdk_call_with_its_raw_response_names_the_engine_for_the_next_turn(fake_pool: PoolFactory) -> None:
+    """The SDK's parsed objects carry no headers; its raw responses do, and the session reads the
+    engine from them (the next turn then carries X-Session-Engine)."""
+    pool = await fake_pool()
+    base = openai.AsyncOpenAI(base_url=pool.url + "/v1", api_key="unused")
+    async with AsyncRolloutSession(pool.url, "agentic") as s:
+        client = s.openai(base)
+        await s.create(client.completions.create, model=pool.model, prompt=[1, 2], max_tokens=1)
+        assert s.engine is None  # a parsed answer: no headers to read
+        raw = await s.create(client.with_raw_response.completions.create, model=pool.model, prompt=[3],
+                             max_tokens=1)
+        assert raw.parse().choices[0].text and s.engine == pool.engine_urls[0]
+        await s.create(client.completions.create, model=pool.model, prompt=[4], max_tokens=1)
+    await base.close()
+    assert [header(pool, i, "X-Session-Engine") for i in range(3)] == [None, None, pool.engine_urls[0]]
 
 
 async def test_the_openai_path_is_bounded_too(fake_pool: PoolFactory) -> None:

@@ -8,6 +8,7 @@ import pytest
 
 from misat_router.policy.hit_guard import HitGuard
 from misat_router.policy.misa import MisaPolicy
+from misat_router.policy.registry import build_policy
 from misat_router.policy.runner import PolicyRunner
 from misat_router.policy.settings import (
     ClassSpec,
@@ -313,6 +314,41 @@ def test_router_restart_reattaches_continuations() -> None:
     assert placed_count(fill(runner, "agentic", eng, 2)) == 2
     d = runner.submit(req("agentic", session="from-before-restart", turn=7), eng, 11.0)
     assert d.placed and d.reason is Reason.CONTINUATION_MOVED
+
+
+@pytest.mark.parametrize("name", [PolicyName.MISA_T, PolicyName.MISA, PolicyName.SESSION_ADMISSION])
+def test_after_a_restart_a_continuation_goes_to_the_engine_its_client_names(name: PolicyName) -> None:
+    """A router that never saw a session cannot find its KV (its prefix index is empty): the
+    client's X-Session-Engine places it there, over cost; the router's own record of a session
+    it knows wins over the hint, and a hint naming no healthy engine is a moved session."""
+    classes = (ClassSpec(name="agentic", share=100, multi_turn=True),)
+    runner = make_runner(name, classes)
+    eng = engines(3, capacity=10**6)
+    eng["e2"] = EngineSnapshot(engine_id="e2", kv_capacity_tokens=10**6, num_waiting=50)  # the costliest
+    d = runner.submit(req("agentic", session="old", turn=3, engine_hint="e2"), eng, 0.0)
+    assert d.placed and (d.engine_id, d.reason) == ("e2", Reason.CONTINUATION_HINTED)
+    assert runner.sessions["old"].engine_id == "e2" and runner.policy.engine_sessions["e2"] == 1  # type: ignore[attr-defined]
+    # Known now: its next turn stays where the router placed it, whatever the client says.
+    nxt = runner.submit(req("agentic", session="old", turn=4, engine_hint="e0"), eng, 1.0)
+    assert (nxt.engine_id, nxt.reason) == ("e2", Reason.CONTINUATION)
+    # A hint that names an engine out of rotation, or one this router does not have: moved by cost.
+    eng["e1"] = EngineSnapshot(engine_id="e1", kv_capacity_tokens=10**6, healthy=False)
+    for hint in ("e1", "http://elsewhere:8000"):
+        moved = runner.submit(req("agentic", session=f"other-{hint}", turn=2, engine_hint=hint), eng, 2.0)
+        assert (moved.engine_id, moved.reason) == ("e0", Reason.CONTINUATION_MOVED)
+    # A new session (turn 0) is admitted as any other, hint or not.
+    new = runner.submit(req("agentic", session="new", turn=0, engine_hint="e2"), eng, 3.0)
+    assert new.reason is Reason.NEW_SESSION
+
+
+def test_a_hinted_continuation_still_waits_for_the_concurrency_limit() -> None:
+    mix = WorkloadMix(classes=(ClassSpec(name="agentic", share=100, multi_turn=True),))
+    settings = PolicySettings(name=PolicyName.SESSION_ADMISSION, concurrency_limit=1)
+    runner = PolicyRunner(build_policy(settings, mix), mix)
+    eng = engines(2, capacity=10**6)
+    assert runner.submit(req("agentic", session="a", turn=0), eng, 0.0).placed
+    held = runner.submit(req("agentic", session="b", turn=5, engine_hint="e1"), eng, 0.0)
+    assert held.reason is Reason.HOLD_CONCURRENCY_LIMIT
 
 
 def test_no_healthy_engine_holds() -> None:

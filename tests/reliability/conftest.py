@@ -157,10 +157,11 @@ class RouterUnderTest:
 
 
 async def start_router(
-    config: RouterConfig, *, admin_token: str | None = None, config_path: Any = None, healthy: int | None = None
+    config: RouterConfig, *, admin_token: str | None = None, config_path: Any = None, healthy: int | None = None,
+    port: int = 0,
 ) -> RouterUnderTest:
     app = create_app(config, admin_token=admin_token, config_path=config_path)
-    server = await start_service(app)
+    server = await start_service(app, port=port)
     r = RouterUnderTest(server)
     n = len(config.engines.urls or ()) if healthy is None else healthy
     if n:

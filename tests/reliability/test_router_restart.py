@@ -3,15 +3,32 @@
 The new router knows nothing of the sessions the old one admitted. Their next turns
 (turn > 0) must be admitted at once and re-attached to the policy's books, so they count
 against the session caps, rather than be treated (and held) as new sessions.
+
+The engines keep every session's KV through the restart, but the new router's prefix index is
+empty: placed by cost, a continuation goes wherever is cheapest and computes its whole context
+again. ``misat_client`` sessions send the engine of their previous answer
+(``X-Session-Engine``), and the new router places each continuation back on it.
 """
 
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import aiohttp
 
-from .conftest import MODEL, RouterUnderTest, assert_drained, end_all_sessions, gauges, router_config
+from misat_client import AsyncRolloutSession
+
+from .conftest import (
+    MODEL,
+    RouterUnderTest,
+    SimEngine,
+    assert_drained,
+    end_all_sessions,
+    gauges,
+    router_config,
+    start_router,
+)
 
 CAP = 2
 """Sessions per engine (max_sessions_per_engine), small so that caps bind."""
@@ -88,3 +105,69 @@ async def test_restart_continuation_not_queued_behind_held_new_sessions(sim_engi
         finally:
             waiting.cancel()
             await asyncio.gather(waiting, return_exceptions=True)
+
+
+SESSIONS = 6
+PROMPT_TOKENS = 400
+"""Three full KV blocks of the tiny-cpu profile (128 tokens each) and a partial one."""
+BLOCK_TOKENS = 128
+
+
+def prompt(i: int, extra: int = 0) -> list[int]:
+    """Session ``i``'s context (distinct per session), ``extra`` tokens longer on a later turn."""
+    return [3 + (i * 97 + k) % 2000 for k in range(PROMPT_TOKENS + extra)]
+
+
+def cached(answer: dict[str, Any]) -> int:
+    return int(answer["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+
+async def test_a_restarted_router_puts_each_live_session_back_on_its_engine(sim_engines: Any) -> None:
+    engines: list[SimEngine] = await sim_engines(3)
+    config = router_config([e.url for e in engines])
+    first = await start_router(config)
+    port = first.server.port
+    sessions = [AsyncRolloutSession(first.url, "agentic", f"traj-{i}") for i in range(SESSIONS)]
+    try:
+        # Turn 0 of every trajectory at once: the router spreads them over the engines.
+        await asyncio.gather(*(s.completions(model=MODEL, prompt=prompt(i), max_tokens=8)
+                               for i, s in enumerate(sessions)))
+        served_by = {s.id: s.engine for s in sessions}
+        assert set(served_by.values()) <= {e.url for e in engines} and len(set(served_by.values())) >= 2
+    finally:
+        await first.close()  # the restart: every session is unknown to the router that comes back
+
+    second = await start_router(config, port=port)  # same address, as a restarted pod behind its Service
+    try:
+        # Without the hint (a client that does not send it): placed by cost on the cheapest engine,
+        # which is not where its KV is, and its whole prompt is computed again.
+        cheapest = min(e.url for e in engines)
+        i, moved = next((i, s) for i, s in enumerate(sessions) if served_by[s.id] != cheapest)
+        async with aiohttp.ClientSession() as http, http.post(
+            f"{second.url}/v1/completions",
+            headers={"X-Rollout-Class": "agentic", "X-Session-Id": moved.id, "X-Session-Turn": "1"},
+            json={"model": MODEL, "prompt": prompt(i, extra=50), "max_tokens": 8},
+        ) as resp:
+            unhinted = await resp.json()
+            assert resp.status == 200 and resp.headers["X-Misat-Engine"] == cheapest
+        assert cached(unhinted) == 0
+
+        # With it: every other trajectory's turn 1 goes back to its engine and finds its blocks.
+        rest = [(i, s) for i, s in enumerate(sessions) if s is not moved]
+        assert second.url == first.url  # the sessions talk to the same address
+        answers = await asyncio.gather(*(s.completions(model=MODEL, prompt=prompt(i, extra=50), max_tokens=8,
+                                                       end=True) for i, s in rest))
+        for (_, s), answer in zip(rest, answers, strict=True):
+            assert s.engine == served_by[s.id], s.id
+            assert cached(answer) >= (PROMPT_TOKENS // BLOCK_TOKENS) * BLOCK_TOKENS, (s.id, answer["usage"])
+        async with aiohttp.ClientSession() as http:
+            async with http.get(second.url + "/metrics") as resp:
+                decisions = {(labels["reason"]): v for labels, v in gauges(await resp.text())["misat_decisions_total"]
+                             if labels["action"] == "place"}
+            assert decisions == {"continuation_hinted": len(rest), "continuation_moved": 1}
+            await moved.end()
+            await assert_drained(second, http)
+    finally:
+        for s in sessions:
+            await s.close()
+        await second.close()

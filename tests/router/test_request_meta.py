@@ -57,6 +57,16 @@ def test_batch_prompts_count_every_prompt() -> None:
     assert p.meta.prompt_token_ids == (1, 2) and p.meta.prompt_tokens == 5
 
 
+def test_the_sessions_engine_comes_from_a_header_or_the_body() -> None:
+    header = parse({"prompt": [1]}, {"X-Rollout-Class": "agentic", "X-Session-Id": "s1", "X-Session-Turn": "2",
+                                     "X-Session-Engine": "http://10.0.0.7:8000"})
+    assert header.meta.engine_hint == "http://10.0.0.7:8000"
+    body = parse({"prompt": [1], "rollout": {"class": "agentic", "session_id": "s1", "turn": 2,
+                                             "engine": "http://10.0.0.7:8000"}})
+    assert body.meta.engine_hint == "http://10.0.0.7:8000" and json.loads(body.body) == {"prompt": [1]}
+    assert parse({"prompt": [1]}, {"X-Rollout-Class": "rlvr"}).meta.engine_hint is None
+
+
 def test_default_class_applies_to_unlabelled() -> None:
     mix = MIX.model_copy(update={"default_class": "rlvr"})
     assert parse({"prompt": [1]}, mix=mix).meta.workload_class == "rlvr"
@@ -84,6 +94,13 @@ def test_default_class_applies_to_unlabelled() -> None:
                      "X-Session-End", id="bad-end"),
         pytest.param({"prompt": [1]}, {"X-Rollout-Class": "rlvr", "X-Session-Turn": "-1"},
                      "X-Session-Turn", id="negative-turn"),
+        pytest.param({"prompt": [1]}, {"X-Rollout-Class": "rlvr", "X-Session-Engine": ""},
+                     "rollout.engine", id="empty-engine"),
+        pytest.param({"prompt": [1], "rollout": {"class": "rlvr", "engine": 3}}, {},
+                     "rollout.engine", id="engine-not-a-string"),
+        pytest.param({"prompt": [1], "rollout": {"engine": "http://a:8000"}},
+                     {"X-Rollout-Class": "rlvr", "X-Session-Engine": "http://b:8000"}, "rollout.engine",
+                     id="engine-header-body-conflict"),
     ],
 )
 def test_invalid_requests(body: object, headers: dict[str, str], param: str | None) -> None:
