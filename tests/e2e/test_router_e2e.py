@@ -629,6 +629,47 @@ RELOAD_OUTPUT = 600
 
 
 @pytest.mark.e2e
+async def test_a_restarted_router_sends_continuations_back_to_their_cached_blocks(
+    vllm_base_urls: list[str], http: aiohttp.ClientSession
+) -> None:
+    """vLLM keeps a session's KV through a router restart. The new router has never seen the
+    session: a continuation naming its engine (``X-Session-Engine``, the ``X-Misat-Engine`` of its
+    last answer, as misat_client sends it) goes back there and finds its prompt's blocks; one
+    without it goes to the cheapest engine and computes its prompt again."""
+    prompts = {f"restart-{i}": _ids(9100 + i, 300) for i in range(2)}
+
+    async def turn(router: Router, sid: str, n: int, prompt: list[int], engine: str | None = None) -> tuple[str, int]:
+        headers = {"X-Rollout-Class": "agentic", "X-Session-Id": sid, "X-Session-Turn": str(n),
+                   "X-Session-End": "true" if n else "false"}
+        if engine is not None:
+            headers["X-Session-Engine"] = engine
+        async with http.post(f"{router.url}/v1/completions", headers=headers,
+                             json={"model": MODEL, "prompt": prompt, "max_tokens": 4}) as resp:
+            body = await resp.json()
+            assert resp.status == 200, body
+            details = body["usage"].get("prompt_tokens_details") or {}
+            return resp.headers["X-Misat-Engine"], int(details.get("cached_tokens") or 0)
+
+    async with running_router(router_config(vllm_base_urls)) as first:
+        # Both first turns at once: the second is placed while the first is in flight, elsewhere.
+        served = await asyncio.gather(*(turn(first, sid, 0, p) for sid, p in prompts.items()))
+    engine_of = {sid: engine for sid, (engine, _) in zip(prompts, served, strict=True)}
+    assert set(engine_of.values()) == set(vllm_base_urls), engine_of
+
+    cheapest = min(vllm_base_urls)  # two idle engines, nothing known: the cost tie goes to the lower id
+    unhinted = next(sid for sid, engine in engine_of.items() if engine != cheapest)
+    hinted = next(sid for sid in prompts if sid != unhinted)
+    async with running_router(router_config(vllm_base_urls)) as second:
+        engine, cached = await turn(second, unhinted, 1, prompts[unhinted] + _ids(1, 40))
+        assert (engine, cached) == (cheapest, 0)
+        engine, cached = await turn(second, hinted, 1, prompts[hinted] + _ids(2, 40), engine_of[hinted])
+        assert engine == engine_of[hinted] and cached >= 2 * CPU_BLOCK_SIZE  # 300 tokens: two full blocks
+        assert await second.metric_sum("misat_decisions_total", reason="continuation_hinted") == 1
+        assert await second.metric_sum("misat_decisions_total", reason="continuation_moved") == 1
+        await wait_drained(second)
+
+
+@pytest.mark.e2e
 async def test_hot_reload_of_admission_settings_keeps_open_streams(
     vllm_base_urls: list[str], http: aiohttp.ClientSession, record_figure: Callable[[str, object], None]
 ) -> None:
