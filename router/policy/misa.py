@@ -40,10 +40,11 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict, deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from .base import Engines, Policy, healthy_ids
-from .budgets import allocate, class_session_cap
+from .budgets import CAP_ROUNDING_SLACK, allocate, class_session_cap
 from .estimators import WindowPercentile, WindowRatio, censored_percentile
 from .hit_guard import HitGuard
 from .prefix_index import PrefixIndex, PromptKeys, prompt_keys
@@ -344,23 +345,29 @@ class MisaPolicy(Policy):
             return len(req.prompt_text) / self.settings.prefix.chars_per_token
         return 0.0
 
-    def _by_cost(
+    def _costs(
         self, req: RequestMeta, engines: Engines, candidates: list[str]
-    ) -> list[tuple[float, str, float]]:
-        """(cost, engine, expected hit tokens) for every candidate, cheapest first; ties by id."""
+    ) -> Iterator[tuple[float, str, float]]:
+        """(cost, engine, expected hit tokens) for every candidate, in the candidates' order."""
         keys = self._keys(req)
         hits = self.index.match(keys, candidates)
         length = self._prompt_len(req)
         p = self.settings.placement
         per_wait, per_flight, rate = p.delay_per_waiting_s, p.delay_per_inflight_s, p.prefill_tokens_per_s
         load = self.load.in_flight_map().get
-        ranked = []
         for w in candidates:
             hit = hits[w]
-            cost = engines[w].num_waiting * per_wait + load(w, 0) * per_flight + max(0.0, length - hit) / rate
-            ranked.append((cost, w, hit))
-        ranked.sort()
-        return ranked
+            yield engines[w].num_waiting * per_wait + load(w, 0) * per_flight + max(0.0, length - hit) / rate, w, hit
+
+    def _by_cost(
+        self, req: RequestMeta, engines: Engines, candidates: list[str]
+    ) -> list[tuple[float, str, float]]:
+        """(cost, engine, expected hit tokens) for every candidate, cheapest first; ties by id."""
+        return sorted(self._costs(req, engines, candidates))
+
+    def _cheapest(self, req: RequestMeta, engines: Engines, candidates: list[str]) -> tuple[float, str, float]:
+        """``_by_cost(...)[0]`` without sorting the rest."""
+        return min(self._costs(req, engines, candidates))
 
     def decide(self, req: RequestMeta, engines: Engines, now: float) -> Decision:
         live = self.sessions.get(req.session_key)
@@ -413,13 +420,17 @@ class MisaPolicy(Policy):
         # admits, ties by id, as a walk in cost order would find it.
         admitting: list[str] = []
         rejected: dict[str, Reason] = {}  # engines refused with a reason of their own
+        caps: dict[int, int] = {}  # K_w by KV capacity: a fleet's engines mostly share one
         for w in healthy:
             snap = engines[w]
             if snap.kv_usage > kv_gate:
                 rejected[w] = Reason.HOLD_KV_FULL
                 continue
             capacity = snap.kv_capacity_tokens
-            cap = max(min_cap, min(max_cap, int(capacity * budget_fraction / k_ref))) if capacity > 0 else unknown_cap
+            cap = caps.get(capacity)
+            if cap is None:
+                cap = caps[capacity] = (max(min_cap, min(max_cap, int(capacity * budget_fraction / k_ref)))
+                                        if capacity > 0 else unknown_cap)
             guard = guards.get(w)
             if guard is not None and guard.factor < 1.0:
                 cap = max(min_cap, int(cap * guard.factor))
@@ -442,12 +453,13 @@ class MisaPolicy(Policy):
                     budget = capacity * budget_fraction * mine / total_r if total_r > 0 else 0.0
                 else:
                     budget = self.class_budgets(w, snap, weights, len(healthy))[cls]
-                if live_cls and live_cls + samples > class_session_cap(budget, k_b_floor):
+                # class_session_cap(budget, k_b_floor), inlined (k_b_floor is at least 1).
+                if live_cls and live_cls + samples > max(1, math.floor(budget / k_b_floor + CAP_ROUNDING_SLACK)):
                     rejected[w] = Reason.HOLD_CLASS_CAP
                     continue
             admitting.append(w)
         if admitting:
-            cost, w, hit = self._by_cost(req, engines, admitting)[0]
+            cost, w, hit = self._cheapest(req, engines, admitting)
             return Decision.place(w, Reason.NEW_SESSION, {"cost": cost, "hit_tokens": hit})
         reason = Reason.HOLD_SESSION_CAP
         if rejected:
