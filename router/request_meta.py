@@ -135,6 +135,19 @@ def _merge(header: object | None, body: object | None, param: str) -> object | N
     return header if header is not None else body
 
 
+def _string_label(header: str | None, rollout: dict[str, Any], key: str, what: str) -> str | None:
+    """A label given as its header or as ``rollout.<key>`` (they must agree): a string, never empty."""
+    param = f"{BODY_ROLLOUT_FIELD}.{key}"
+    body = rollout.get(key)
+    if body is not None and not isinstance(body, str):
+        raise InvalidRequest(f"{param} must be a string", param=param)
+    value = _merge(header, body, param)
+    if value == "":
+        raise InvalidRequest(f"{what} must not be empty", param=param)
+    assert value is None or isinstance(value, str)
+    return value
+
+
 def _rollout_fields(obj: dict[str, Any]) -> dict[str, Any]:
     raw = obj.get(BODY_ROLLOUT_FIELD)
     if raw is None:
@@ -285,12 +298,7 @@ def parse_request(
     cls_header = headers.get(_LOWER_CLASS)
     cls = _workload_class(_merge(cls_header, rollout.get("class"), "rollout.class"), mix)
 
-    sid_body = rollout.get("session_id")
-    if sid_body is not None and not isinstance(sid_body, str):
-        raise InvalidRequest("rollout.session_id must be a string", param="rollout.session_id")
-    session_id = _merge(headers.get(_LOWER_SESSION_ID), sid_body, "rollout.session_id")
-    if session_id == "":
-        raise InvalidRequest("session id must not be empty", param="rollout.session_id")
+    session_id = _string_label(headers.get(_LOWER_SESSION_ID), rollout, "session_id", "session id")
 
     turn_h = headers.get(_LOWER_TURN)
     turn_b = rollout.get("turn")
@@ -307,12 +315,7 @@ def parse_request(
         "rollout.end",
     )
 
-    engine_b = rollout.get("engine")
-    if engine_b is not None and not isinstance(engine_b, str):
-        raise InvalidRequest("rollout.engine must be a string", param="rollout.engine")
-    engine_hint = _merge(headers.get(_LOWER_ENGINE), engine_b, "rollout.engine")
-    if engine_hint == "":
-        raise InvalidRequest("the session's engine must not be empty", param="rollout.engine")
+    engine_hint = _string_label(headers.get(_LOWER_ENGINE), rollout, "engine", "the session's engine")
 
     if kind is EndpointKind.COMPLETIONS:
         if "prompt" not in obj:
@@ -333,14 +336,14 @@ def parse_request(
     meta = RequestMeta(
         request_id=request_id,
         workload_class=cls,
-        session_id=session_id,  # type: ignore[arg-type]
+        session_id=session_id,
         turn=int(turn or 0),  # type: ignore[call-overload]
         prompt_token_ids=prompt.token_ids,
         prompt_text=prompt.text,
         prompt_tokens=prompt.tokens,
         max_tokens=max_tokens,
         end_of_session=bool(end),
-        engine_hint=engine_hint,  # type: ignore[arg-type]
+        engine_hint=engine_hint,
         samples=prompt.count * int(obj.get("n") or 1),
     )
     spec = mix.get(cls)

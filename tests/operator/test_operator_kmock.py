@@ -81,13 +81,19 @@ def _versions(k8s: Any, resource: str, name: str) -> int:
     return len(k8s.objects[resource, NS, name].history)
 
 
+def served_pool(mixed_pool: dict[str, Any], live_router: Any) -> dict[str, Any]:
+    """The example pool in the test namespace, its engines' Service resolving to the live engines."""
+    body = copy.deepcopy(mixed_pool)
+    body["metadata"]["namespace"] = NS
+    live_router.dns[f"mixed-pool-engines.{NS}.svc.cluster.local"] = live_router.engines
+    return body
+
+
 async def test_pool_lifecycle(
     k8s: Any, fresh_kopf_registry: kopf.OperatorRegistry, live_router: Any, waiter: Callable[..., Any],
     mixed_pool: dict[str, Any],
 ) -> None:
-    pool_body = copy.deepcopy(mixed_pool)
-    pool_body["metadata"]["namespace"] = NS
-    live_router.dns[f"mixed-pool-engines.{NS}.svc.cluster.local"] = live_router.engines
+    pool_body = served_pool(mixed_pool, live_router)
     api = str(k8s.url).rstrip("/")
     pool = lambda: _obj(k8s, POOLS, "mixed-pool")  # noqa: E731
 
@@ -238,9 +244,7 @@ async def test_a_config_the_router_refuses_shows_its_reason_until_it_can_apply(
     """Dropping a class that still has work: the router refuses the push and keeps its config, the
     pool says ReloadRefused with the router's reason (not PushFailed: the router was reached and
     said no), and the operator's next pushes apply it once the class has drained."""
-    body = copy.deepcopy(mixed_pool)
-    body["metadata"]["namespace"] = NS
-    live_router.dns[f"mixed-pool-engines.{NS}.svc.cluster.local"] = live_router.engines
+    body = served_pool(mixed_pool, live_router)
     api = str(k8s.url).rstrip("/")
     pool = lambda: _obj(k8s, POOLS, "mixed-pool")  # noqa: E731
     async with (
