@@ -22,11 +22,12 @@ import yaml
 
 from misat_operator.models import ROUTER_IMAGE, ROUTER_UID, parse_spec
 from misat_operator.render import PoolRef, render
+from tests.support.helm import CHART, one
+from tests.support.helm import render as render_chart
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = (ROOT / "Dockerfile").read_text()
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
-CHART = ROOT / "charts" / "misa-t"
 
 
 def instructions(name: str) -> list[str]:
@@ -58,8 +59,8 @@ def test_rendered_router_command_exists_in_the_image() -> None:
 
 
 def test_chart_operator_command_exists_in_the_image() -> None:
-    template = (CHART / "templates" / "deployment.yaml").read_text()
-    assert 'command: ["python", "-m", "misat_operator"]' in template
+    (container,) = one(render_chart(), "Deployment")["spec"]["template"]["spec"]["containers"]
+    assert container["command"] == ["python", "-m", "misat_operator"]
     assert importlib.util.find_spec("misat_operator.__main__") is not None
     installs = " ".join(instructions("RUN"))
     assert "[operator]" in installs, "the operator extra (kopf, kubernetes) must be installed"

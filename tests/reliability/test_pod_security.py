@@ -1,9 +1,8 @@
-"""Least privilege of the pods the project ships, checked on what is rendered (no cluster, no helm).
+"""Least privilege of the pods the project ships, checked on what is rendered (no cluster).
 
 - The router Deployment as ``misat_operator.render`` builds it for every example pool.
-- The operator Deployment and RBAC of the Helm chart (template actions blanked out, as
-  tests/operator/test_chart.py does; that file also validates the objects against
-  Kubernetes' schemas).
+- The operator Deployment and RBAC of the Helm chart as ``helm template`` renders them
+  (tests/operator/test_chart.py also validates the objects against Kubernetes' schemas).
 
 Required (docs/reliability.md, "Pod security and RBAC"): non-root, read-only root
 filesystem, no privilege escalation, every capability dropped, a seccomp profile, CPU and
@@ -14,22 +13,21 @@ Secrets beyond ``get``.
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
+from misat_operator import models
+from misat_operator import render as render_mod
+from tests.support.helm import CHART, one
+from tests.support.helm import render as render_chart
+
 ROOT = Path(__file__).resolve().parents[2]
-CHART = ROOT / "charts" / "misa-t"
-render_mod = pytest.importorskip("misat_operator.render")
-models = pytest.importorskip("misat_operator.models")
 
 POOLS = [p for p in sorted((ROOT / "examples").glob("*.yaml"))
          if yaml.safe_load(p.read_text()).get("kind") == "RolloutPool"]
-ACTION_ONLY = re.compile(r"^\s*\{\{-?.*-?\}\}\s*$")
-ACTION = re.compile(r"\{\{-?.*?-?\}\}")
 
 
 def router_deployment(path: Path) -> dict[str, Any]:
@@ -47,14 +45,6 @@ def shard_workloads(path: Path) -> list[dict[str, Any]]:
     ref = render_mod.PoolRef(obj["metadata"]["name"], "rl", "0c7f3e8a-1111-4222-8333-944455556666", 1)
     desired = render_mod.render(models.parse_spec(obj["spec"]), ref, "t")
     return [o for o in (desired.router_statefulset, desired.proxy_deployment) if o is not None]
-
-
-def chart_template(name: str) -> dict[str, Any]:
-    path = CHART / "templates" / name
-    if not path.exists():
-        pytest.skip(f"chart template {name} not there yet")
-    lines = [ACTION.sub("placeholder", line) for line in path.read_text().splitlines() if not ACTION_ONLY.match(line)]
-    return yaml.safe_load("\n".join(lines))
 
 
 def locked_down(container: dict[str, Any], pod: dict[str, Any]) -> list[str]:
@@ -115,7 +105,7 @@ def test_router_pod_has_no_service_account_token() -> None:
 
 
 def test_chart_operator_pod_is_locked_down() -> None:
-    dep = chart_template("deployment.yaml")
+    dep = one(render_chart(), "Deployment")
     pod = dep["spec"]["template"]["spec"]
     (container,) = pod["containers"]
     assert locked_down(container, pod) == []
@@ -126,9 +116,7 @@ def test_chart_operator_pod_is_locked_down() -> None:
 
 
 def test_chart_operator_rbac_is_least_privilege() -> None:
-    chart_template("clusterrole.yaml")  # parses; its rules come from the chart's rbac/ files (.Files.Get)
-    role = {"rules": [rule for name in ("cluster-rules.yaml", "namespaced-rules.yaml")
-                      for rule in yaml.safe_load((CHART / "rbac" / name).read_text())]}
+    role = one(render_chart(), "ClusterRole")  # every rule the operator gets (no namespace list)
     for rule in role["rules"]:
         assert "*" not in rule["verbs"] and "*" not in rule["resources"] and "*" not in rule.get("apiGroups", [])
         assert not {"delete", "deletecollection", "escalate", "bind", "impersonate"} & set(rule["verbs"]), rule

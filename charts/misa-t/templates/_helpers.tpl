@@ -26,6 +26,15 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- end -}}
 
+{{/* The release's labels without the operator's component (the monitoring objects). */}}
+{{- define "misa-t.commonLabels" -}}
+app.kubernetes.io/name: {{ include "misa-t.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{- end -}}
+
 {{- define "misa-t.serviceAccountName" -}}
 {{- if .Values.serviceAccount.create -}}
 {{- default (include "misa-t.fullname" .) .Values.serviceAccount.name -}}
