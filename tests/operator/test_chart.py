@@ -248,3 +248,46 @@ def test_operator_only_calls_what_rbac_grants() -> None:
 
     for group, _version, plural in CHILD_RESOURCES:  # kopf watches them
         assert NAMESPACED_RULES[(group, plural)] >= {"list", "watch"}, plural
+
+
+# ---- values.schema.json: bad values refused by helm, with their path --------------------------
+
+OPERATOR_VALUES = {
+    "statusIntervalSeconds": "status_interval_s",
+    "routerTimeoutSeconds": "router_timeout_s",
+    "clusterDomain": "cluster_domain",
+    "postEvents": "post_events",
+    "drainTimeoutSeconds": "drain_timeout_s",
+    "stalledBackoffSeconds": "stalled_backoff_initial_s",
+}
+"""The chart's operator values and the settings (operator/settings.py) they become."""
+BOUNDS = ("type", "exclusiveMinimum", "minimum", "minLength")
+
+
+def test_operator_values_carry_the_settings_bounds() -> None:
+    from misat_operator.settings import OperatorSettings
+
+    schema = json.loads((CHART / "values.schema.json").read_text())["properties"]["operator"]["properties"]
+    settings = OperatorSettings.model_json_schema()["properties"]
+    for value, field in OPERATOR_VALUES.items():
+        want = {k: v for k, v in settings[field].items() if k in BOUNDS}
+        assert {k: v for k, v in schema[value].items() if k in BOUNDS} == want, value
+    # Every operator setting the Deployment sets comes from one of them.
+    (container,) = one(render(), "Deployment")["spec"]["template"]["spec"]["containers"]
+    env = {e["name"] for e in container["env"]}
+    assert env == {"MISAT_OPERATOR_" + f.upper() for f in OPERATOR_VALUES.values()}
+
+
+@pytest.mark.parametrize(("values", "message"), [
+    ({"operator.statusIntervalSeconds": 0}, "operator.statusIntervalSeconds: Must be greater than 0"),
+    ({"operator.drainTimeoutSeconds": -1}, "operator.drainTimeoutSeconds: Must be greater than or equal to 0"),
+    ({"operator.postEvents": "yes"}, "operator.postEvents: Invalid type. Expected: boolean, given: string"),
+    ({"operator.namespaces": ["RL_jobs"]}, "operator.namespaces.0: Does not match pattern"),
+    ({"monitoring.podMonitor.enabled": True}, "monitoring: Additional property podMonitor is not allowed"),
+    ({"image.pullPolicy": "Sometimes"}, "image.pullPolicy"),
+    ({"resources.limit": {"cpu": "1"}}, "resources: Additional property limit is not allowed"),
+], ids=["interval-zero", "drain-negative", "events-string", "namespace-invalid", "typo", "pull-policy", "limits-typo"])
+def test_bad_values_are_refused_with_their_path(values: dict[str, Any], message: str) -> None:
+    error = render_error(values)
+    assert "values don't meet the specifications of the schema" in error
+    assert message in error
