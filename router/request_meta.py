@@ -43,7 +43,7 @@ from typing import Any
 import orjson
 
 from .errors import InvalidRequest
-from .json_codec import loads
+from .json_codec import decode, dumps, holds_overflow
 from .policy.settings import PrefixIndexSettings, WorkloadMix
 from .policy.types import RequestMeta
 
@@ -228,15 +228,20 @@ def _completion_prompt(prompt: object, chars_per_token: float) -> _Prompt:
 
 def decode_json_object(raw: bytes) -> dict[str, Any]:
     """A request body that must be one JSON object; ``InvalidRequest`` otherwise."""
+    return _decode_object(raw)[0]
+
+
+def _decode_object(raw: bytes) -> tuple[dict[str, Any], bool]:
+    """``decode_json_object`` and whether orjson decoded it (``json_codec.decode``)."""
     try:
-        obj = loads(raw)
+        obj, by_orjson = decode(raw)
     except (ValueError, RecursionError) as exc:
         # ValueError: bad JSON, bad UTF-8, an integer over Python's 4300-digit limit;
         # RecursionError: nesting deeper than the decoder's stack.
         raise InvalidRequest(f"request body is not valid JSON: {str(exc)[:200]}") from None
     if not isinstance(obj, dict):
         raise InvalidRequest("request body must be a JSON object")
-    return obj
+    return obj, by_orjson
 
 
 def _check_common(obj: dict[str, Any]) -> bool:
@@ -291,7 +296,28 @@ def parse_request(
     ``headers`` is looked up by lower-case names (a dict of lower-cased names, or a
     case-insensitive mapping such as aiohttp's ``request.headers``).
     """
-    obj = decode_json_object(raw)
+    obj, by_orjson = _decode_object(raw)
+    try:
+        return _parse_object(obj, by_orjson, raw, headers, kind, mix=mix, prefix=prefix, request_id=request_id)
+    except InvalidRequest:
+        if not by_orjson:
+            raise
+    # orjson reads an integer past 64 bits as a float, which a check refuses where the integer
+    # may pass: the standard library's reading decides (rare: only refused bodies pay for it).
+    return _parse_object(json.loads(raw), False, raw, headers, kind, mix=mix, prefix=prefix, request_id=request_id)
+
+
+def _parse_object(
+    obj: dict[str, Any],
+    by_orjson: bool,
+    raw: bytes,
+    headers: Mapping[str, str],
+    kind: EndpointKind,
+    *,
+    mix: WorkloadMix,
+    prefix: PrefixIndexSettings,
+    request_id: str,
+) -> ParsedRequest:
     stream = _check_common(obj)
     rollout = _rollout_fields(obj)
 
@@ -328,8 +354,15 @@ def parse_request(
         max_tokens = obj.get("max_completion_tokens", obj.get("max_tokens"))
 
     if BODY_ROLLOUT_FIELD in obj:
+        # The engine gets the body without the router's labels. Written back through orjson where
+        # orjson decoded it: a 24K-token body in about 0.12 ms, against 1.9 ms by json.dumps.
         del obj[BODY_ROLLOUT_FIELD]
-        body = json.dumps(obj).encode()
+        # A token-id prompt is all ints (checked above); anything else orjson read may hide an
+        # integer past 64 bits as a float, which the engine must get back as the integer.
+        if by_orjson and holds_overflow(obj, skip="prompt" if prompt.token_ids is not None else None):
+            obj, by_orjson = json.loads(raw), False
+            del obj[BODY_ROLLOUT_FIELD]
+        body = dumps(obj, orjson_decoded=by_orjson)
     else:
         body = raw
 

@@ -43,6 +43,33 @@ def test_body_rollout_object_is_an_alternative_and_is_stripped() -> None:
     assert json.loads(p.body) == {"prompt": "abcdefgh"}
 
 
+@pytest.mark.parametrize("extra", [
+    pytest.param(b'"temperature": 0.7, "stop": ["\\u00e9t\xc3\xa9", "\\n"], "seed": 18446744073709551615',
+                 id="orjson-decodes"),
+    pytest.param(b'"temperature": NaN, "logit_bias": {"5": -Infinity}', id="nan-and-infinity"),
+    pytest.param(b'"seed": 123456789012345678901234567890', id="integer-past-64-bits"),
+])
+def test_a_stripped_body_keeps_every_other_value(extra: bytes) -> None:
+    """Without its labels the body is written back (through orjson where orjson decoded it); what
+    the engine then decodes is what the client sent, less ``rollout``, whichever decoder read it."""
+    raw = b'{"prompt": [1, 2, 3], "rollout": {"class": "rlvr", "session_id": "g1"}, ' + extra + b"}"
+    sent = json.loads(raw)
+    del sent["rollout"]
+    got = json.loads(parse(raw).body)
+    assert json.dumps(got, sort_keys=True) == json.dumps(sent, sort_keys=True)  # NaN != NaN, its text is equal
+
+
+def test_integers_past_64_bits_get_the_standard_librarys_verdict() -> None:
+    """orjson reads them as floats, which the checks refuse; the standard library's integers pass
+    here (the engine refuses such a token id or length), as they did before orjson."""
+    big = 2**64
+    p = parse(b'{"prompt": [1, 18446744073709551616], "max_tokens": 18446744073709551616, "rollout": {"class": "rlvr"}}')
+    assert p.meta.prompt_token_ids == (1, big) and p.meta.max_tokens == big and type(p.meta.max_tokens) is int
+    assert json.loads(p.body) == {"prompt": [1, big], "max_tokens": big}
+    with pytest.raises(InvalidRequest, match="n must be an integer >= 1"):
+        parse(b'{"prompt": [1], "n": -9223372036854775809}', {"X-Rollout-Class": "rlvr"})
+
+
 def test_chat_messages_render_to_text() -> None:
     msgs = [{"role": "system", "content": "be brief"},
             {"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "image_url"}]}]

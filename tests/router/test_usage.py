@@ -7,7 +7,7 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from misat_router.json_codec import loads
+from misat_router.json_codec import decode, holds_overflow, loads
 from misat_router.policy.types import Completion, RequestMeta
 from misat_router.usage import SseUsageTracker, find_top_level_usage, usage_from_json
 
@@ -84,10 +84,14 @@ def test_error_answers_and_garbage() -> None:
         assert usage_from_json(body, META, ok=False) == Completion(11, 0, None, ok=False)
 
 
-def test_big_integers_fall_back_to_the_standard_decoder() -> None:
+def test_big_integers_and_what_only_the_standard_decoder_takes() -> None:
     body = compact(vllm_completion(kv_transfer_params={"seed": 2**80}))
     assert usage_from_json(body, META, ok=True) == Completion(5, 3, 2, ok=True)
-    assert loads(b'{"a": 18446744073709551616}') == {"a": 2**64}
+    # orjson reads an integer past 64 bits as a float (`==` would not tell: 2.0**64 == 2**64);
+    # holds_overflow finds it, for the callers to which the type matters (request_meta.py).
+    value, by_orjson = decode(b'{"a": 18446744073709551616, "b": [-9223372036854775809]}')
+    assert by_orjson and type(value["a"]) is float and holds_overflow(value)
+    assert not holds_overflow(decode(b'{"a": 18446744073709551615, "b": [-9223372036854775808, 1e18]}')[0])
     assert loads(b'\xef\xbb\xbf{"a": NaN}')["a"] != 0  # BOM and NaN: json.loads takes both
 
 
