@@ -227,14 +227,19 @@ def _completion_prompt(prompt: object, chars_per_token: float) -> _Prompt:
 
 
 def decode_json_object(raw: bytes) -> dict[str, Any]:
-    """A request body that must be one JSON object; ``InvalidRequest`` otherwise."""
-    return _decode_object(raw)[0]
+    """A (small) request body that must be one JSON object, decoded as ``json.loads`` decodes it
+    (integers past 64 bits included); ``InvalidRequest`` otherwise."""
+    obj, by_orjson = _decode_object(raw)
+    if by_orjson and holds_overflow(obj):
+        return _decode_object(raw, exact=True)[0]
+    return obj
 
 
-def _decode_object(raw: bytes) -> tuple[dict[str, Any], bool]:
-    """``decode_json_object`` and whether orjson decoded it (``json_codec.decode``)."""
+def _decode_object(raw: bytes, *, exact: bool = False) -> tuple[dict[str, Any], bool]:
+    """The body's object and whether orjson decoded it (``json_codec.decode``); ``exact``: by the
+    standard library."""
     try:
-        obj, by_orjson = decode(raw)
+        obj, by_orjson = (json.loads(raw), False) if exact else decode(raw)
     except (ValueError, RecursionError) as exc:
         # ValueError: bad JSON, bad UTF-8, an integer over Python's 4300-digit limit;
         # RecursionError: nesting deeper than the decoder's stack.
@@ -304,7 +309,8 @@ def parse_request(
             raise
     # orjson reads an integer past 64 bits as a float, which a check refuses where the integer
     # may pass: the standard library's reading decides (rare: only refused bodies pay for it).
-    return _parse_object(json.loads(raw), False, raw, headers, kind, mix=mix, prefix=prefix, request_id=request_id)
+    return _parse_object(_decode_object(raw, exact=True)[0], False, raw, headers, kind,
+                         mix=mix, prefix=prefix, request_id=request_id)
 
 
 def _parse_object(

@@ -11,7 +11,7 @@ from multidict import CIMultiDict
 
 from misat_router.errors import InvalidRequest
 from misat_router.policy.settings import PrefixIndexSettings, WorkloadMix
-from misat_router.request_meta import EndpointKind, _all_ints, parse_request, render_messages
+from misat_router.request_meta import EndpointKind, _all_ints, decode_json_object, parse_request, render_messages
 
 MIX = WorkloadMix.model_validate({"classes": [
     {"name": "rlvr", "share": 50}, {"name": "agentic", "share": 50, "multi_turn": True}]})
@@ -68,6 +68,13 @@ def test_integers_past_64_bits_get_the_standard_librarys_verdict() -> None:
     assert json.loads(p.body) == {"prompt": [1, big], "max_tokens": big}
     with pytest.raises(InvalidRequest, match="n must be an integer >= 1"):
         parse(b'{"prompt": [1], "n": -9223372036854775809}', {"X-Rollout-Class": "rlvr"})
+
+
+def test_admin_bodies_keep_integers_past_64_bits() -> None:
+    """An engine call's body goes to every engine re-encoded: its integers must stay integers."""
+    obj = decode_json_object(b'{"path": "/update", "body": {"seed": 123456789012345678901234567890, "lr": 0.5}}')
+    assert obj["body"] == {"seed": 123456789012345678901234567890, "lr": 0.5}
+    assert type(obj["body"]["seed"]) is int
 
 
 def test_chat_messages_render_to_text() -> None:
