@@ -96,7 +96,7 @@ class Dispatcher:
         try:
             decision = await self._placed(fut, deadline_s)
         except NoHealthyEngine:
-            self._give_up(meta, now, Outcome.HOLD_DEADLINE)
+            self._give_up(meta, now, Outcome.NO_HEALTHY_ENGINE)
             raise
         except TimeoutError:
             if not _has_result(fut):

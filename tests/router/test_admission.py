@@ -292,6 +292,10 @@ async def test_no_healthy_engine_fails_fast_with_each_engines_reason(
     assert waited < 30.0
     assert h.state.runner.held_count() == 0 and not h.state.dispatcher.in_flight
     assert not any(e.requests for e in engines)
+    # Counted apart from the hold deadline: engines down, not too little capacity.
+    metrics = h.state.metrics.render().decode()
+    assert 'misat_requests_total{class="rlvr",outcome="no_healthy_engine"} 1.0' in metrics
+    assert 'outcome="hold_deadline"' not in metrics
 
 
 async def test_an_engine_back_within_the_wait_serves_the_request(
