@@ -34,6 +34,9 @@ SUBCOMMANDS: dict[str, Subcommand] = {
     "up": Subcommand(
         "misat_cli.up", "main", "run a RolloutPool manifest locally (simulated or given engines)", "cli"
     ),
+    "render": Subcommand(
+        "misat_cli.render", "main", "the Kubernetes objects the operator makes of a RolloutPool, offline", None
+    ),
     "status": Subcommand("misat_cli.status", "main", "a running router's /status, as tables", "cli"),
     "bench": Subcommand("misat_bench.main", "main", "side-by-side benchmark against the vLLM Router", "bench"),
     "operator": Subcommand("misat_operator.main", "main", "run the RolloutPool operator (kopf)", "operator"),

@@ -1,0 +1,97 @@
+"""``misat render -f pool.yaml``: the Kubernetes objects the operator makes of a RolloutPool, offline.
+
+For review and CI (a GitOps repository's check before a merge): each manifest is validated as the
+operator validates it, with the same messages naming the manifest's camelCase paths, and rendered
+by the operator's own renderer (``misat_operator.render``); nothing talks to a cluster. An invalid
+manifest is what the operator would mark ``Stalled`` (``InvalidSpec``): here it is exit code 1 and
+the reason on stderr.
+
+What the cluster fills in is marked, not invented: the owner references carry a placeholder uid,
+and the admin-token Secret, which the operator creates with a random token, is left out (a comment
+names it). The API server's own checks (the CRD schema and its CEL rules, quota, admission
+webhooks) are not run: ``kubectl apply --dry-run=server`` does those.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from misat_operator.render import PoolRef, render
+
+from .localpool import PoolError, load_manifest
+
+PLACEHOLDER_UID = "00000000-0000-0000-0000-000000000000"
+"""The owner references' uid (the API server assigns the pool's)."""
+PLACEHOLDER_TOKEN = "not-rendered"
+"""What the renderer gets for the admin token: it lands only in the Secret, which is not printed."""
+DEFAULT_NAMESPACE = "default"
+"""Where a manifest without ``metadata.namespace`` goes, as with ``kubectl apply``."""
+
+
+class _Dumper(yaml.SafeDumper):
+    """Multi-line strings (the router's config, HAProxy's) as literal blocks, readable in a review."""
+
+
+def _str(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
+    style = "|" if "\n" in value else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+
+_Dumper.add_representer(str, _str)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="misat render", description=__doc__.split("\n\n")[0])
+    ap.add_argument("-f", "--filename", type=Path, action="append", required=True,
+                    help="a RolloutPool manifest (repeatable)")
+    ap.add_argument("-n", "--namespace", default=None,
+                    help=f"namespace of a manifest without one (default: {DEFAULT_NAMESPACE})")
+    ap.add_argument("-o", "--output", choices=("yaml", "json"), default="yaml",
+                    help="a YAML stream (with a comment per manifest) or a JSON List (default: yaml)")
+    ap.add_argument("--cluster-domain", default="cluster.local",
+                    help="DNS suffix of Service names (default: cluster.local)")
+    ap.add_argument("--check", action="store_true", help="validate and render, print only one line per manifest")
+    return ap
+
+
+def render_manifest(path: Path, namespace: str | None, cluster_domain: str) -> tuple[PoolRef, list[dict[str, Any]]]:
+    """The pool's identity and its objects but the Secret; PoolError with the operator's reason."""
+    name, spec = load_manifest(path)
+    meta = yaml.safe_load(path.read_text()).get("metadata") or {}
+    ref = PoolRef(name, str(meta.get("namespace") or namespace or DEFAULT_NAMESPACE), PLACEHOLDER_UID,
+                  int(meta.get("generation") or 1))
+    try:
+        desired = render(spec, ref, PLACEHOLDER_TOKEN, cluster_domain)
+    except ValueError as exc:
+        raise PoolError(f"{path}: invalid RolloutPool {name!r}: {exc}") from None
+    return ref, [o for o in desired.objects() if o is not desired.secret]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    failed = False
+    documents: list[str] = []
+    for path in args.filename:
+        try:
+            ref, objects = render_manifest(path, args.namespace, args.cluster_domain)
+        except PoolError as exc:
+            print(f"misat render: {exc}", file=sys.stderr)
+            failed = True
+            continue
+        if args.check:
+            print(f"{path}: RolloutPool {ref.namespace}/{ref.name} is valid ({len(objects)} objects)")
+        elif args.output == "json":
+            documents.append(json.dumps({"apiVersion": "v1", "kind": "List", "items": objects}, indent=2))
+        else:
+            note = (f"# RolloutPool {ref.namespace}/{ref.name} ({path}). Not shown: the Secret "
+                    f"{ref.names.admin_secret}, which the operator creates with a random admin token.\n")
+            documents.append(note + "".join("---\n" + yaml.dump(o, Dumper=_Dumper, sort_keys=False) for o in objects))
+    if documents:
+        sys.stdout.write("\n".join(documents) + ("\n" if args.output == "json" else ""))
+    return 1 if failed else 0
