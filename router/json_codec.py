@@ -19,7 +19,8 @@ import orjson
 
 
 def loads(raw: bytes | str) -> Any:
-    """``json.loads(raw)``, through orjson where orjson can."""
+    """``json.loads(raw)``, through orjson where orjson can (an integer past 64 bits comes back
+    as orjson's float: for reading counts, such as an answer's usage, that cannot matter)."""
     return decode(raw)[0]
 
 
