@@ -76,6 +76,11 @@ def _yaml_problem(exc: yaml.YAMLError) -> str:
     return f"{problem} ({context})" if context else str(problem)
 
 
+def yaml_error(source: str, exc: yaml.YAMLError) -> str:
+    """``source:line:column: not valid YAML: problem`` (the position where the parser knows it)."""
+    return f"{source}{_yaml_position(exc)}: not valid YAML: {_yaml_problem(exc)}"
+
+
 def load_manifest(path: Path) -> tuple[str, RolloutPoolSpec]:
     """Read and validate a RolloutPool manifest: (name, spec), or PoolError with the reason."""
     try:
@@ -85,20 +90,27 @@ def load_manifest(path: Path) -> tuple[str, RolloutPoolSpec]:
     try:
         doc = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise PoolError(f"{path}{_yaml_position(exc)}: not valid YAML: {_yaml_problem(exc)}") from None
+        raise PoolError(yaml_error(str(path), exc)) from None
     except (RecursionError, ValueError) as exc:
         raise PoolError(f"{path}: not a usable manifest: {type(exc).__name__}: {exc}") from None
     if not isinstance(doc, dict) or doc.get("kind") != "RolloutPool":
         kind = doc.get("kind") if isinstance(doc, dict) else None
         raise PoolError(f"{path}: not a RolloutPool manifest (kind: {kind})")
-    name = str((doc.get("metadata") or {}).get("name") or "")
+    return pool_of(doc, str(path))
+
+
+def pool_of(doc: dict[str, Any], source: str) -> tuple[str, RolloutPoolSpec]:
+    """A RolloutPool document's (name, spec), validated as the operator validates it; PoolError
+    naming ``source`` and the manifest's paths otherwise."""
+    meta = doc.get("metadata")
+    name = str((meta if isinstance(meta, dict) else {}).get("name") or "")
     problem = pool_name_error(name)
     if problem:
-        raise PoolError(f"{path}: invalid RolloutPool {name!r}: {problem}")
+        raise PoolError(f"{source}: invalid RolloutPool {name!r}: {problem}")
     try:
         return name, parse_spec(doc.get("spec") or {})
     except ValidationError as exc:
-        raise PoolError(f"{path}: invalid RolloutPool {name!r}:\n{describe_spec_error(exc)}") from None
+        raise PoolError(f"{source}: invalid RolloutPool {name!r}:\n{describe_spec_error(exc)}") from None
 
 
 def render_local_config(

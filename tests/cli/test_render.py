@@ -41,7 +41,7 @@ def test_json_output_and_the_manifests_own_namespace(tmp_path: Path, capsys: pyt
     path.write_text(yaml.safe_dump(doc))
     assert main(["render", "-f", str(path), "-n", "ignored", "-o", "json"]) == 0
     listed = json.loads(capsys.readouterr().out)
-    assert listed["kind"] == "List" and listed["items"]
+    assert listed["kind"] == "List" and len(listed["items"]) == 6
     assert {o["metadata"]["namespace"] for o in listed["items"]} == {"rollouts"}
 
 
@@ -55,7 +55,30 @@ def test_an_invalid_manifest_is_refused_with_the_operators_reason(
     assert main(["render", "-f", str(bad), "-f", str(ROOT / "examples" / "mixed-pool.yaml"), "--check"]) == 1
     out, err = capsys.readouterr()
     assert f"{bad}: invalid RolloutPool 'mixed-pool'" in err and "spec.engines.replicas" in err
+    # The other pool is still checked.
     assert out.splitlines() == [f"{ROOT / 'examples' / 'mixed-pool.yaml'}: RolloutPool default/mixed-pool is valid (6 objects)"]
+
+
+def test_a_stream_of_documents_from_stdin(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """What ``kustomize build | misat render -f -`` gives it: every RolloutPool, other kinds passed over."""
+    import io
+
+    namespace = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "rl"}}
+    pools = [yaml.safe_load((ROOT / "examples" / name).read_text()) for name in ("mixed-pool.yaml", "sharded-pool.yaml")]
+    stream = yaml.safe_dump_all([namespace, *pools])
+    monkeypatch.setattr("sys.stdin", io.StringIO(stream))
+    assert main(["render", "-f", "-", "--check"]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "<stdin> (document 2): RolloutPool default/mixed-pool is valid (6 objects)",
+        "<stdin> (document 3): RolloutPool default/sharded-pool is valid (10 objects)",
+    ]
+    monkeypatch.setattr("sys.stdin", io.StringIO(yaml.safe_dump(namespace)))
+    assert main(["render", "-f", "-"]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and "<stdin>: no RolloutPool in it" in err
+    monkeypatch.setattr("sys.stdin", io.StringIO("spec: [\n"))
+    assert main(["render", "-f", "-"]) == 1
+    assert "<stdin>:2:1: not valid YAML" in capsys.readouterr().err
 
 
 def test_a_render_time_refusal_is_reported_too(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
