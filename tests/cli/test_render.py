@@ -93,3 +93,30 @@ def test_a_render_time_refusal_is_reported_too(monkeypatch: pytest.MonkeyPatch, 
     assert main(["render", "-f", str(ROOT / "examples" / "mixed-pool.yaml")]) == 1
     out, err = capsys.readouterr()
     assert out == "" and "invalid RolloutPool 'mixed-pool': Deployment mixed-pool-engines would carry" in err
+
+
+def _refused_cases() -> list[tuple[str, str, object]]:
+    from tests.operator.test_crd import CEL_CASES, MODEL_ONLY
+
+    return [(case, path, value) for case, path, value, _ in CEL_CASES + MODEL_ONLY]
+
+
+@pytest.mark.parametrize(("case", "path", "value"), _refused_cases(), ids=[c[0] for c in _refused_cases()])
+def test_render_refuses_what_the_operator_refuses_with_its_message(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], case: str, path: str, value: object
+) -> None:
+    """Every manifest the operator would stall on (the cross-field and model-only cases of
+    tests/operator/test_crd.py) fails here with the operator's own message (``handlers.validate``)."""
+    from misat_operator.handlers import InvalidPool, validate
+    from tests.operator.test_crd import _get, _set
+
+    doc = yaml.safe_load((ROOT / "examples" / "mixed-pool.yaml").read_text())
+    parent, _, key = path.partition("|")
+    bad = _set(doc, parent, {**_get(doc, parent), key: value}) if key else _set(doc, path, value)
+    with pytest.raises(InvalidPool) as operator_says:
+        validate(bad["spec"], bad["metadata"]["name"])
+    manifest = tmp_path / f"{case}.yaml"
+    manifest.write_text(yaml.safe_dump(bad))
+    assert main(["render", "-f", str(manifest), "--check"]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and str(operator_says.value) in err
