@@ -89,10 +89,12 @@ def render_pool(
     where: str, doc: dict[str, Any], namespace: str | None, cluster_domain: str
 ) -> tuple[PoolRef, list[dict[str, Any]]]:
     """The pool's identity and its objects but the Secret; PoolError with the operator's reason."""
-    name, spec = pool_of(doc, where)
-    meta = doc.get("metadata") or {}
+    name, spec = pool_of(doc, where)  # a metadata that is not a mapping has no name: refused there
+    meta = doc["metadata"]
+    # The API server sets metadata.generation; a manifest rendered before applying is generation 1.
+    generation = meta.get("generation")
     ref = PoolRef(name, str(meta.get("namespace") or namespace or DEFAULT_NAMESPACE), PLACEHOLDER_UID,
-                  int(meta.get("generation") or 1))
+                  generation if isinstance(generation, int) and generation > 0 else 1)
     try:
         desired = render(spec, ref, PLACEHOLDER_TOKEN, cluster_domain)
     except ValueError as exc:
