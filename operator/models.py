@@ -846,6 +846,8 @@ def describe_spec_error(exc: ValidationError) -> str:
 def pool_name_error(name: str) -> str | None:
     """A reason the pool name cannot be used, or None: it must fit every child it names (the engine and
     router Services are DNS-1035 labels; names within 63 characters) and be a label value."""
+    if not name:
+        return "metadata.name is required"
     if len(name) > MAX_POOL_NAME:
         return f"metadata.name must be at most {MAX_POOL_NAME} characters, got {len(name)}"
     for kind, child in PoolNames(name, "-").children():

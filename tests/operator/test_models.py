@@ -137,6 +137,7 @@ def test_spec_models_are_frozen() -> None:
 def test_pool_name_length() -> None:
     assert pool_name_error("a" * 40) is None
     assert "at most 40" in (pool_name_error("a" * 41) or "")
+    assert pool_name_error("") == "metadata.name is required"  # a manifest for misat up or render
 
 
 def test_operator_settings_from_environment() -> None:
