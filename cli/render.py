@@ -37,8 +37,9 @@ DEFAULT_NAMESPACE = "default"
 """Where a manifest without ``metadata.namespace`` goes, as with ``kubectl apply``."""
 
 
-class _Dumper(yaml.SafeDumper):
-    """Multi-line strings (the router's config, HAProxy's) as literal blocks, readable in a review."""
+class ReviewDumper(yaml.SafeDumper):
+    """Multi-line strings (the router's config, HAProxy's) as literal blocks, readable in a review
+    (and in the renderer's golden files, tests/operator/golden/)."""
 
 
 def _str(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
@@ -46,7 +47,7 @@ def _str(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
     return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
 
 
-_Dumper.add_representer(str, _str)
+ReviewDumper.add_representer(str, _str)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -127,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 note = (f"# RolloutPool {ref.namespace}/{ref.name} ({where}). Not shown: the Secret "
                         f"{ref.names.admin_secret}, which the operator creates with a random admin token.\n")
-                documents.append(note + "".join("---\n" + yaml.dump(o, Dumper=_Dumper, sort_keys=False)
+                documents.append(note + "".join("---\n" + yaml.dump(o, Dumper=ReviewDumper, sort_keys=False)
                                                 for o in objects))
     if items:
         documents.append(json.dumps({"apiVersion": "v1", "kind": "List", "items": items}, indent=2) + "\n")

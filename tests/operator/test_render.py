@@ -17,6 +17,7 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
+from misat_cli.render import ReviewDumper
 from misat_operator.models import parse_spec
 from misat_operator.names import CONFIG_KEY
 from misat_operator.render import PoolRef, render, token_from_secret
@@ -33,16 +34,6 @@ POOL_EXAMPLES = [
 TOKEN = "golden-admin-token"
 
 
-class _GoldenDumper(yaml.SafeDumper):
-    """Multi-line strings (the ConfigMap's router.yaml) as literal blocks, so goldens read as YAML."""
-
-
-def _str(dumper: yaml.SafeDumper, value: str) -> yaml.Node:
-    style = "|" if "\n" in value else None
-    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
-
-
-_GoldenDumper.add_representer(str, _str)
 
 
 def _render_example(path: Path) -> tuple[Any, PoolRef]:
@@ -54,7 +45,7 @@ def _render_example(path: Path) -> tuple[Any, PoolRef]:
 @pytest.mark.parametrize("path", POOL_EXAMPLES, ids=lambda p: p.name)
 def test_golden(path: Path) -> None:
     desired, _ = _render_example(path)
-    text = yaml.dump_all(desired.objects(), Dumper=_GoldenDumper, sort_keys=True)
+    text = yaml.dump_all(desired.objects(), Dumper=ReviewDumper, sort_keys=True)
     golden = GOLDEN / path.name
     if UPDATE:
         golden.write_text(text)
