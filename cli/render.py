@@ -110,12 +110,10 @@ def main(argv: list[str] | None = None) -> int:
     items: list[dict[str, Any]] = []
     for source in args.filename:
         for found in pools(source):
-            if isinstance(found, PoolError):
-                print(f"misat render: {found}", file=sys.stderr)
-                failed = True
-                continue
-            where, doc = found
             try:
+                if isinstance(found, PoolError):
+                    raise found
+                where, doc = found
                 ref, objects = render_pool(where, doc, args.namespace, args.cluster_domain)
             except PoolError as exc:
                 print(f"misat render: {exc}", file=sys.stderr)

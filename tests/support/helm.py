@@ -41,17 +41,20 @@ def value_args(values: dict[str, Any], api_versions: tuple[str, ...]) -> list[st
     return args
 
 
+def _template(values: dict[str, Any], api_versions: tuple[str, ...]) -> subprocess.CompletedProcess[str]:
+    return run_helm("template", RELEASE, str(CHART), "--namespace", NAMESPACE, *value_args(values, api_versions))
+
+
 def render(values: dict[str, Any] | None = None, *, api_versions: tuple[str, ...] = ()) -> list[dict[str, Any]]:
     """``helm template`` of the chart with ``values`` (dotted keys, JSON values): its objects."""
-    done = run_helm("template", RELEASE, str(CHART), "--namespace", NAMESPACE,
-                    *value_args(values or {}, api_versions))
+    done = _template(values or {}, api_versions)
     assert done.returncode == 0, done.stderr
     return [doc for doc in yaml.safe_load_all(done.stdout) if doc]
 
 
 def render_error(values: dict[str, Any], *, api_versions: tuple[str, ...] = ()) -> str:
     """``helm template`` expected to fail: its message."""
-    done = run_helm("template", RELEASE, str(CHART), "--namespace", NAMESPACE, *value_args(values, api_versions))
+    done = _template(values, api_versions)
     assert done.returncode != 0, done.stdout
     return done.stderr
 
