@@ -82,6 +82,7 @@ from .status import (
     PushError,
     Stall,
     deployment_ready,
+    held_engines,
     merge_conditions,
     now_iso,
     pool_conditions,
@@ -338,6 +339,7 @@ def build_status(
         "selector": names.selector_string(ENGINE_COMPONENT),
         "drain": drain,
         "weightVersions": weight_versions(obs.router) if obs.router else None,
+        "held": held_engines(obs.router) if obs.router else None,
     }
     out["router"] = {
         "ready": bool(obs.router and obs.router.ready),

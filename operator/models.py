@@ -708,6 +708,10 @@ class EnginesStatus(_Model):
     weight_versions: list[str] | None = Field(
         None, description="Weight versions the router reports for its engines (more than one: mid-update)."
     )
+    held: list[str] | None = Field(
+        None, description="Engines the router gives no new work although healthy: a restart lost the weight "
+        "version recorded for them, until a weight update through the router reaches them."
+    )
 
 
 class ShardView(_Model):

@@ -256,6 +256,11 @@ def weight_versions(status: RouterStatus) -> list[str] | None:
     return sorted({e.weight_version for e in status.engines if e.weight_version is not None}) or None
 
 
+def held_engines(status: RouterStatus) -> list[str] | None:
+    """Engines the router holds although healthy (a restart lost their weight version), or None."""
+    return sorted(e.id for e in status.engines if e.held is not None) or None
+
+
 def router_view(status: RouterStatus) -> dict[str, Any]:
     """The RolloutPool status fields copied from the router's /status (camelCase, rounded)."""
     capacity = float(sum(e.kv_capacity_tokens for e in status.engines))

@@ -11,11 +11,14 @@
   (default: ``pause_resets_prefix_cache``).
 - ``POST /admin/resume?weight_version=V``: resets prefix caches first if asked
   (after a weight update, old KV must not be reused), records ``V`` for every
-  engine, resumes engines an abort paused, then re-checks held work at once.
+  engine but those held since a restart (``engines.py``), resumes engines an
+  abort paused, then re-checks held work at once.
 - ``POST /admin/engines/{sleep,wake_up,reset_prefix_cache}``: vLLM's control
   call on every engine (query passed through), results per engine.
 - ``POST /admin/engines/call``: any control call (a framework's weight update)
-  passed to every engine; never a generation path (``/v1/...``).
+  passed to every engine; never a generation path (``/v1/...``). With
+  ``weight_version`` the version is recorded for each engine answering 2xx,
+  which also ends the hold of an engine held since a restart.
 
 Auth: ``Authorization: Bearer <token>``, compared with ``hmac.compare_digest``;
 401 without a valid token, 403 for every admin call when the router runs
@@ -233,7 +236,7 @@ async def handle_resume(request: web.Request) -> web.Response:
     mode = state.pause_mode
     reset_results = await reset_prefix_caches(state) if reset else None
     if version is not None:
-        state.record_weight_version(state.registry.owned_ids(), version)
+        state.record_weight_version(state.registry.owned_ids(), version, answered=False)
     if state.engines_paused:
         # The engines an abort paused through vLLM's /pause schedule again before held work goes.
         resumed = await call_engines(state, sorted(state.engines_paused), "POST", ENGINE_RESUME_PATH,
@@ -272,7 +275,7 @@ class EngineCall(BaseModel):
     body: Any = None
     query: dict[str, str | int | float | bool] = Field(default_factory=dict)
     weight_version: str | None = None
-    """Recorded as the weight version of every engine answering 2xx."""
+    """Recorded as the weight version of every engine answering 2xx (which ends a restart's hold)."""
 
 
 def _parse_call(raw: bytes) -> EngineCall:
@@ -307,7 +310,8 @@ async def handle_engine_call(request: web.Request) -> web.Response:
     results = await call_engines(state, state.registry.owned_ids(), call.method, call.path, query=query,
                                  body=call.body, timeout=_control_timeout(state.config))
     if call.weight_version is not None:
-        state.record_weight_version([e for e, r in results.items() if _ok(r)], call.weight_version)
+        state.record_weight_version([e for e, r in results.items() if _ok(r)], call.weight_version,
+                                    answered=True)
     log.info("engine call %s %s: %s", call.method, call.path,
              {e: r.get("status", r.get("error")) for e, r in results.items()})
     return web.json_response({"method": call.method, "path": call.path, "engines": results})

@@ -129,7 +129,7 @@ class Dispatcher:
         With no healthy engine nothing will free capacity, so the request waits for one only
         ``no_healthy_engine_wait_s`` and fails fast (``NoHealthyEngine``) if none came back.
         """
-        if self._registry.healthy_count() > 0 or deadline_s <= self._config().no_healthy_engine_wait_s:
+        if self._registry.placeable_count() > 0 or deadline_s <= self._config().no_healthy_engine_wait_s:
             async with asyncio.timeout(deadline_s):
                 return await fut
         first = self._config().no_healthy_engine_wait_s
@@ -139,14 +139,14 @@ class Dispatcher:
         except TimeoutError:
             if _has_result(fut):
                 return fut.result()
-            if self._registry.healthy_count() == 0:
+            if self._registry.placeable_count() == 0:
                 raise NoHealthyEngine(self._no_engine_message(first),
                                       retry_after_s=self._config().hold_retry_after_s) from None
         async with asyncio.timeout(deadline_s - first):
             return await fut
 
     def _no_engine_message(self, waited_s: float) -> str:
-        errors = [f"{eid}: {st.last_error or 'not yet probed'}"
+        errors = [f"{eid}: {st.held if st.healthy and st.held else st.last_error or 'not yet probed'}"
                   for eid in self._registry.ids() if (st := self._registry.get(eid)) is not None]
         return (f"no healthy engine for {waited_s:g} s ({'; '.join(errors) or 'no engines configured'}); "
                 "retry later")

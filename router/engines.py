@@ -15,6 +15,14 @@ and scraped, for the sessions this router placed on it (the policy runner
 treats it as draining: continuations only) until ``settle_hand_backs`` finds
 none of them active any more.
 
+An engine whose cumulative counters go back between two good scrapes has
+restarted (vLLM's counters live as long as its process; one URL must address
+one engine process). Its KV cache is empty and it serves the weights it
+loaded at start, not the ones a trainer pushed since: the owner is told
+(``on_restarted``), and may *hold* it (``hold``): healthy, probed and
+scraped, and a target of engine-wide calls, but offered to the policy as not
+healthy until ``release_hold``.
+
 Engine ids are base URLs without a trailing slash (``http://10.0.0.5:8000``).
 Engines start out of rotation until their first health check passes.
 """
@@ -59,6 +67,10 @@ class EngineState:
     down_since: float | None = field(default=None)
     scrape_failed_at: float | None = None
     """When the latest scrape of a failing streak failed; None while scrapes succeed."""
+    restarts: int = 0
+    """Restarts seen (cumulative counters went back between two good scrapes)."""
+    held: str | None = None
+    """Why the engine is held out of placement although healthy (``EngineRegistry.hold``)."""
 
 
 class EngineRegistry:
@@ -71,11 +83,13 @@ class EngineRegistry:
         on_down: EngineCallback,
         on_up: EngineCallback,
         on_removed: EngineCallback,
+        on_restarted: EngineCallback | None = None,
     ) -> None:
         self._clock = clock
         self._on_down = on_down
         self._on_up = on_up
         self._on_removed = on_removed
+        self._on_restarted = on_restarted
         self._engines: dict[str, EngineState] = {}
         self._known: list[str] = []
         self._owns: OwnershipFilter | None = None
@@ -234,8 +248,36 @@ class EngineRegistry:
             self._on_down(st.engine_id)
 
     def healthy_count(self) -> int:
-        """Healthy engines this router owns (one being handed back is its new owner's to count)."""
+        """Healthy engines this router owns (one being handed back is its new owner's to count).
+
+        Held engines count: they answer, and the router must stay reachable (ready) for the
+        admin call that releases them."""
         return sum(1 for e, st in self._engines.items() if st.healthy and e not in self.handing_back)
+
+    def placeable_count(self) -> int:
+        """Healthy engines this router owns that are not held: where new work can go."""
+        return sum(1 for e, st in self._engines.items()
+                   if st.healthy and st.held is None and e not in self.handing_back)
+
+    def hold(self, engine_id: str, reason: str) -> None:
+        """Keep a healthy engine out of placement (the policy sees it as not healthy) until
+        ``release_hold``; it stays probed, scraped and a target of engine-wide calls."""
+        st = self._engines.get(engine_id)
+        if st is None or st.held == reason:
+            return
+        st.held = reason
+        log.warning("engine held out of placement: %s (%s)", engine_id, reason)
+        self._invalidate()
+
+    def release_hold(self, engine_id: str) -> bool:
+        """Place on a held engine again; True when it was held."""
+        st = self._engines.get(engine_id)
+        if st is None or st.held is None:
+            return False
+        st.held = None
+        log.info("engine placed on again: %s", engine_id)
+        self._invalidate()
+        return True
 
     # ---- metrics --------------------------------------------------------
 
@@ -245,10 +287,16 @@ class EngineRegistry:
         if st is None:
             return False
         recovered = st.scrape_failed_at is not None
+        restarted = st.metrics is not None and _went_back(st.metrics, metrics)
         st.metrics = metrics
         st.scraped_at = now
         st.scrape_failed_at = None
         self._invalidate()
+        if restarted:
+            st.restarts += 1
+            log.warning("engine restarted (its cumulative counters went back): %s", engine_id)
+            if self._on_restarted is not None:
+                self._on_restarted(engine_id)
         return recovered
 
     def record_scrape_failure(self, engine_id: str, error: str, now: float) -> bool:
@@ -280,8 +328,23 @@ class EngineRegistry:
         self._snapshot = None
 
 
+def restart_hold_reason(lost_version: str) -> str:
+    """Why an engine whose restart lost a recorded weight version is held (``/status``, errors)."""
+    return (f"restarted: it serves the weights it loaded at start, not weight version {lost_version!r}; "
+            "placed on again once a weight update through /admin/engines/call with weight_version "
+            "answers 2xx from it")
+
+
+def _went_back(before: VllmMetrics, after: VllmMetrics) -> bool:
+    """Whether a cumulative counter is lower than before: the engine's process started again."""
+    return (after.prefix_queries_total < before.prefix_queries_total
+            or after.prefix_hits_total < before.prefix_hits_total
+            or after.preemptions_total < before.preemptions_total)
+
+
 def _snapshot(st: EngineState) -> EngineSnapshot:
     m = st.metrics or VllmMetrics()
+    healthy = st.healthy and st.held is None
     if st.scrape_failed_at is not None:
         # Metrics unusable (slow, empty, garbage): the load gauges are unknown, so they
         # read 0 and the policy counts the router's own sessions on this engine; KV
@@ -289,10 +352,10 @@ def _snapshot(st: EngineState) -> EngineSnapshot:
         # Stamped with the failed scrape's time, so the policy's per-engine event log
         # (kept "since the last scrape") stays bounded.
         return EngineSnapshot.from_metrics(
-            st.engine_id, m.without_load(), healthy=st.healthy, scraped_at=st.scrape_failed_at
+            st.engine_id, m.without_load(), healthy=healthy, scraped_at=st.scrape_failed_at
         )
     return EngineSnapshot.from_metrics(
-        st.engine_id, m, healthy=st.healthy, scraped_at=st.scraped_at
+        st.engine_id, m, healthy=healthy, scraped_at=st.scraped_at
     )
 
 

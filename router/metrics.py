@@ -95,17 +95,21 @@ class _StateCollector(Collector):
                 version.add_metric([e.id, e.weight_version], 1.0)
         yield version
 
-        healthy = g("misat_engine_healthy", "1 when the engine is in rotation.", labels=["engine"])
+        healthy = g("misat_engine_healthy", "1 when the engine passes its health checks (in rotation unless held).",
+                    labels=["engine"])
+        held = g("misat_engine_held", "1 when the engine, though healthy, is held: a restart lost its recorded "
+                 "weight version.", labels=["engine"])
         inflight = g("misat_engine_in_flight", "Router requests in flight.", labels=["engine"])
         kv_usage = g("misat_engine_kv_usage", "vLLM KV usage (0..1).", labels=["engine"])
         hit = g("misat_engine_prefix_hit_rate", "Engine prefix-hit rate.", labels=["engine"])
         for e in s.engines:
             healthy.add_metric([e.id], 1.0 if e.healthy else 0.0)
+            held.add_metric([e.id], 1.0 if e.held is not None else 0.0)
             inflight.add_metric([e.id], e.in_flight)
             kv_usage.add_metric([e.id], e.kv_usage)
             if e.prefix_hit_rate is not None:
                 hit.add_metric([e.id], e.prefix_hit_rate)
-        yield from (healthy, inflight, kv_usage, hit)
+        yield from (healthy, held, inflight, kv_usage, hit)
 
         yield g("misat_prefix_hit_rate", "Prefix-hit rate over all engines.",
                 value=s.prefix_hit_rate if s.prefix_hit_rate is not None else 0.0)
@@ -185,6 +189,10 @@ class RouterMetrics:
         )
         self.weight_version_changes = Counter(
             "misat_weight_version_changes", "Changes of an engine's recorded weight version.",
+            ["engine"], registry=r,
+        )
+        self.engine_restarts = Counter(
+            "misat_engine_restarts", "Engine restarts seen (its cumulative vLLM counters went back).",
             ["engine"], registry=r,
         )
         self.hand_backs = Counter(

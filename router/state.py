@@ -22,7 +22,7 @@ from aiohttp import web
 
 from .config import ConfigError, RouterConfig, parse_config
 from .dispatcher import Dispatcher
-from .engines import EngineRegistry
+from .engines import EngineRegistry, restart_hold_reason
 from .errors import ConfigRejected, RouterError, ShuttingDown
 from .metrics import RouterMetrics
 from .policy.registry import build_policy
@@ -67,7 +67,8 @@ class RouterState:
         self.last_reload_error: str | None = None
         self.runner = PolicyRunner(build_policy(config.policy, config.workloads), config.workloads)
         self.registry = EngineRegistry(
-            clock, on_down=self._engine_down, on_up=self._engine_up, on_removed=self._engine_removed
+            clock, on_down=self._engine_down, on_up=self._engine_up, on_removed=self._engine_removed,
+            on_restarted=self._engine_restarted,
         )
         self._pending_release: dict[str, asyncio.TimerHandle] = {}
         self.metrics = RouterMetrics(self.status)
@@ -226,12 +227,26 @@ class RouterState:
         self.engines_paused.clear()
         self._admission_changed()
 
-    def record_weight_version(self, engines: list[str], version: str) -> None:
-        """The engines now serve weights ``version`` (shown in /status, counted on change)."""
+    def record_weight_version(self, engines: list[str], version: str, *, answered: bool) -> None:
+        """The engines now serve weights ``version`` (shown in /status, counted on change).
+
+        ``answered``: each of ``engines`` answered 2xx to the weight-update call itself
+        (``/admin/engines/call``), which releases an engine held since a restart. Without that
+        proof (``/admin/resume``), a held engine is left as it is: its restart lost the weights a
+        trainer pushed, and whether the update reached it is not known.
+        """
+        released = False
         for engine in engines:
+            st = self.registry.get(engine)
+            if st is not None and st.held is not None:
+                if not answered:
+                    continue
+                released = self.registry.release_hold(engine) or released
             if self.weight_versions.get(engine) != version:
                 self.weight_versions[engine] = version
                 self.metrics.weight_version_changes.labels(engine).inc()
+        if released:
+            self.dispatcher.kick()
         self.touch()
 
     def prefix_caches_reset(self) -> None:
@@ -273,6 +288,19 @@ class RouterState:
         if handle is not None:
             handle.cancel()
         self.runner.remove_engine(engine_id, self.clock())
+        self.dispatcher.kick()
+        self.touch()
+
+    def _engine_restarted(self, engine_id: str) -> None:
+        """The engine's process started again: it serves the weights it loaded at start. Where a
+        trainer had recorded a version for it, that version is gone and the engine is held until a
+        weight update reaches it; rollouts must not mix policies silently."""
+        self.metrics.engine_restarts.labels(engine_id).inc()
+        lost = self.weight_versions.get(engine_id)
+        if lost is not None:
+            self.weight_versions[engine_id] = None
+            self.metrics.weight_version_changes.labels(engine_id).inc()
+            self.registry.hold(engine_id, restart_hold_reason(lost))
         self.dispatcher.kick()
         self.touch()
 

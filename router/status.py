@@ -95,6 +95,11 @@ class EngineStatus(BaseModel):
         None, description="Weight version recorded for the engine (/admin/resume?weight_version=, "
         "/admin/engines/call with weight_version); null until known."
     )
+    restarts: int = Field(0, description="Restarts seen: the engine's cumulative vLLM counters went back.")
+    held: str | None = Field(
+        None, description="Why the engine, though healthy, takes no work: a restart lost the weight version "
+        "recorded for it, until a weight update through /admin/engines/call reaches it; null otherwise."
+    )
 
 
 class KvAllocation(BaseModel):
@@ -272,6 +277,8 @@ def build_status(
                 handing_back=handing_back,
                 sessions=sessions_per_engine.get(eid, 0),
                 weight_version=(weight_versions or {}).get(eid),
+                restarts=st.restarts,
+                held=st.held,
             )
         )
     healthy = registry.healthy_count()

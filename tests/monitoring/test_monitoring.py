@@ -102,7 +102,7 @@ def run_promtool(*args: str, cwd: Path) -> str:
 def test_alert_rules_pass_promtools_check_and_unit_tests(tmp_path: Path) -> None:
     (tmp_path / "rules.yaml").write_text(yaml.safe_dump(rules_spec()))
     shutil.copy(Path(__file__).with_name("alerts_test.yaml"), tmp_path / "alerts_test.yaml")
-    assert "SUCCESS: 9 rules found" in run_promtool("check", "rules", "rules.yaml", cwd=tmp_path)
+    assert "SUCCESS: 10 rules found" in run_promtool("check", "rules", "rules.yaml", cwd=tmp_path)
     assert "SUCCESS" in run_promtool("test", "rules", "alerts_test.yaml", cwd=tmp_path)
 
 

@@ -225,7 +225,7 @@ def test_rendered_alert_rules_load_in_prometheus(tmp_path: Path) -> None:
     path.write_text(yaml.safe_dump(rule["spec"]))
     done = subprocess.run([promtool, "check", "rules", str(path)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "SUCCESS: 9 rules found" in done.stdout
+    assert "SUCCESS: 10 rules found" in done.stdout
 
 
 def test_rbac_grants_exactly_what_the_operator_uses() -> None:

@@ -13,6 +13,7 @@ from misat_operator.status import (
     Observed,
     Pending,
     Stall,
+    held_engines,
     merge_conditions,
     pool_conditions,
     router_view,
@@ -213,3 +214,11 @@ def test_weight_versions_in_use_are_listed_once_each() -> None:
     assert weight_versions(status) is None  # the router knows no version yet
     rows = [e.model_copy(update={"weight_version": v}) for e, v in zip(status.engines, ("step-8", "step-7"), strict=True)]
     assert weight_versions(status.model_copy(update={"engines": rows * 2})) == ["step-7", "step-8"]
+
+
+def test_engines_held_since_a_restart_are_listed() -> None:
+    status = _router(2)
+    assert held_engines(status) is None
+    reason = "restarted: it serves the weights it loaded at start, not weight version 'step-8'"
+    rows = [status.engines[0], status.engines[1].model_copy(update={"held": reason})]
+    assert held_engines(status.model_copy(update={"engines": rows})) == [status.engines[1].id]

@@ -93,6 +93,31 @@ def test_registry_health_transitions_and_snapshots() -> None:
     assert calls.removed == ["http://a"] and list(reg.snapshots()) == ["http://b"]
 
 
+def test_counters_going_back_are_a_restart_and_a_hold_hides_a_healthy_engine_from_placement() -> None:
+    restarted: list[str] = []
+    reg = EngineRegistry(lambda: 0.0, on_down=list().append, on_up=list().append,
+                         on_removed=list().append, on_restarted=restarted.append)
+    reg.set_engines(["http://a", "http://b"])
+    for e in ("http://a", "http://b"):
+        reg.record_health(e, True, down_after=2, up_after=1)
+    reg.record_metrics("http://a", VllmMetrics(prefix_queries_total=100, prefix_hits_total=50), 1.0)
+    reg.record_metrics("http://a", VllmMetrics(prefix_queries_total=160, prefix_hits_total=90), 2.0)
+    reg.record_metrics("http://a", VllmMetrics(prefix_queries_total=160, prefix_hits_total=90), 3.0)
+    assert restarted == []  # the first reading, rising and equal counters: the same process
+    reg.record_metrics("http://a", VllmMetrics(prefix_queries_total=7, prefix_hits_total=0), 4.0)
+    reg.record_metrics("http://b", VllmMetrics(preemptions_total=3), 4.0)
+    reg.record_metrics("http://b", VllmMetrics(preemptions_total=0), 5.0)
+    assert restarted == ["http://a", "http://b"]
+    assert (reg.get("http://a").restarts, reg.get("http://b").restarts) == (1, 1)  # type: ignore[union-attr]
+
+    reg.hold("http://a", "restarted")
+    assert not reg.snapshots()["http://a"].healthy and reg.snapshots()["http://b"].healthy
+    # Still counted healthy (probed, scraped, ready for the admin call that releases it), not placeable.
+    assert (reg.healthy_count(), reg.placeable_count()) == (2, 1)
+    assert reg.release_hold("http://a") and not reg.release_hold("http://a")
+    assert reg.snapshots()["http://a"].healthy and reg.placeable_count() == 2
+
+
 class Owns:
     """An ownership filter the test switches (router shards' ``owned_engines``, by hand)."""
 

@@ -222,6 +222,88 @@ async def test_a_failed_engine_is_reported_and_not_versioned(make) -> None:
             await f.close()
 
 
+async def _restart(r, fake: FakeEngine) -> None:  # type: ignore[no-untyped-def]
+    """What the router sees of an engine process starting again: its cumulative counters go back."""
+    st = r.state.registry.get(fake.url)
+    fake.prefix_queries, fake.prefix_hits = 100, 40
+    await r.wait(lambda: st.metrics is not None and st.metrics.prefix_queries_total == 100)
+    fake.prefix_queries = fake.prefix_hits = 0
+    await r.wait(lambda: st.restarts == 1)
+
+
+async def test_an_engine_restart_loses_its_weight_version_and_holds_it_until_an_update_reaches_it(make) -> None:
+    fakes = [FakeEngine("a", wait_s=WAIT_S), FakeEngine("b", wait_s=WAIT_S)]
+    for f in fakes:
+        await f.start()
+    try:
+        a, b = (f.url for f in fakes)
+        r = await make([a, b])
+        # A call every engine answers 2xx records a version (as a weight-update call does).
+        asserted = {"method": "GET", "path": "/health", "weight_version": "v1"}
+        async with aiohttp.ClientSession() as http:
+            async with http.post(r.url + "/admin/engines/call", json=asserted, headers=AUTH) as resp:
+                assert resp.status == 200
+            assert r.state.weight_versions == {a: "v1", b: "v1"}
+            await _restart(r, fakes[0])
+            status = await (await http.get(r.url + "/status")).json()
+            engine_a = next(e for e in status["engines"] if e["id"] == a)
+            assert engine_a["healthy"] and engine_a["restarts"] == 1 and engine_a["weight_version"] is None
+            assert "weight version 'v1'" in engine_a["held"]
+            metrics = await (await http.get(r.url + "/metrics")).text()
+            assert f'misat_engine_restarts_total{{engine="{a}"}} 1.0' in metrics
+            assert f'misat_engine_held{{engine="{a}"}} 1.0' in metrics
+            assert f'misat_engine_held{{engine="{b}"}} 0.0' in metrics
+            # Nothing new goes to the engine serving its start-up weights.
+            for i in range(6):
+                async with http.post(r.url + "/v1/completions", headers={**RLVR, "X-Session-Id": f"s{i}"},
+                                     json={"model": MODEL, "prompt": [i, 1, 2], "max_tokens": 1}) as resp:
+                    assert resp.status == 200 and resp.headers["X-Misat-Engine"] == b
+            assert fakes[0].generations == 0
+            # A resume's version is not proof that the update reached it: still held.
+            async with http.post(r.url + "/admin/resume", params={"weight_version": "v2"}, headers=AUTH) as resp:
+                assert resp.status == 200
+            assert r.state.weight_versions == {a: None, b: "v2"} and r.state.registry.placeable_count() == 1
+            # A weight-update call it answers 2xx is.
+            update = {"method": "GET", "path": "/health", "weight_version": "v3"}
+            async with http.post(r.url + "/admin/engines/call", json=update, headers=AUTH) as resp:
+                assert resp.status == 200
+            assert r.state.weight_versions == {a: "v3", b: "v3"}
+            assert r.state.registry.snapshots()[a].healthy and r.state.registry.placeable_count() == 2
+            status = await (await http.get(r.url + "/status")).json()
+            assert [e["held"] for e in status["engines"]] == [None, None]
+    finally:
+        for f in fakes:
+            await f.close()
+
+
+async def test_a_restart_without_a_recorded_version_is_counted_and_holds_nothing(engines, make) -> None:
+    r = await make([e.url for e in engines])
+    await _restart(r, engines[0])
+    assert r.state.registry.placeable_count() == 2 and r.state.registry.get(engines[0].url).held is None
+
+
+async def test_with_every_engine_held_a_request_fails_fast_naming_the_hold(make_router) -> None:
+    fake = FakeEngine("a", wait_s=WAIT_S)
+    await fake.start()
+    try:
+        r = await make_router([fake], admin_token=TOKEN, no_healthy_engine_wait_s=0.1)
+        async with aiohttp.ClientSession() as http:
+            call = {"method": "GET", "path": "/health", "weight_version": "v1"}
+            async with http.post(r.url + "/admin/engines/call", json=call, headers=AUTH) as resp:
+                assert resp.status == 200
+            await _restart(r, fake)
+            async with http.post(r.url + "/v1/completions", headers=RLVR,
+                                 json={"model": MODEL, "prompt": [1, 2], "max_tokens": 1}) as resp:
+                body = await resp.json()
+                assert resp.status == 503 and body["error"]["code"] == "no_healthy_engine"
+            assert "weight version 'v1'" in body["error"]["message"]
+            async with http.get(r.url + "/ready") as resp:
+                assert resp.status == 200  # reachable for the admin call that releases the engine
+        assert fake.generations == 0
+    finally:
+        await fake.close()
+
+
 @pytest.mark.parametrize(
     ("method", "path", "payload", "status", "param"),
     [
