@@ -60,3 +60,17 @@ def test_an_engine_being_handed_back_reads_so_in_the_engines_table() -> None:
     console.print(engines_table({"engines": rows}))
     lines = {line.split()[1]: line for line in console.export_text().splitlines() if "http://e" in line}
     assert "handing back" in lines["http://e1"] and "handing back" not in lines["http://e0"]
+
+
+def test_a_held_engine_says_why_in_the_engines_table_and_the_column_is_absent_otherwise() -> None:
+    reason = "restarted: it serves the weights it loaded at start, not weight version 'v7'"
+    rows = [{"id": "http://e0", "healthy": True, "held": None},
+            {"id": "http://e1", "healthy": True, "held": reason}]
+    console = Console(width=400, record=True)
+    console.print(engines_table({"engines": rows}))
+    text = console.export_text()
+    lines = {line.split()[1]: line for line in text.splitlines() if "http://e" in line}
+    assert "held (no new work)" in text and "'v7'" in lines["http://e1"] and "restarted" not in lines["http://e0"]
+    console = Console(width=400, record=True)
+    console.print(engines_table({"engines": [rows[0]]}))
+    assert "held" not in console.export_text()
