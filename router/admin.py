@@ -91,9 +91,9 @@ async def reset_prefix_caches(state: RouterState) -> dict[str, str]:
         except (aiohttp.ClientError, TimeoutError) as exc:
             return f"failed: {type(exc).__name__}"
 
-    snaps = state.registry.snapshots()
     # Owned only: an engine being handed back is reset by its owner (every shard gets the call).
-    engines = [e for e in state.registry.owned_ids() if snaps[e].healthy]
+    # Health as the checks see it: an engine held since a restart is reset too.
+    engines = [e for e in state.registry.owned_ids() if (st := state.registry.get(e)) is not None and st.healthy]
     results = await asyncio.gather(*(one(e) for e in engines))
     state.prefix_caches_reset()
     return dict(zip(engines, results, strict=True))

@@ -259,6 +259,10 @@ async def test_an_engine_restart_loses_its_weight_version_and_holds_it_until_an_
                                      json={"model": MODEL, "prompt": [i, 1, 2], "max_tokens": 1}) as resp:
                     assert resp.status == 200 and resp.headers["X-Misat-Engine"] == b
             assert fakes[0].generations == 0
+            # Engine-wide calls still reach it (here pause's prefix-cache reset).
+            async with http.post(r.url + "/admin/pause", params={"reset_prefix_cache": "true"},
+                                 headers=AUTH) as resp:
+                assert (await resp.json())["prefix_cache_reset"] == {a: "ok", b: "ok"}
             # A resume's version is not proof that the update reached it: still held.
             async with http.post(r.url + "/admin/resume", params={"weight_version": "v2"}, headers=AUTH) as resp:
                 assert resp.status == 200
