@@ -296,6 +296,7 @@ class RouterState:
         trainer had recorded a version for it, that version is gone and the engine is held until a
         weight update reaches it; rollouts must not mix policies silently."""
         self.metrics.engine_restarts.labels(engine_id).inc()
+        self.runner.engine_restarted(engine_id, self.clock())
         lost = self.weight_versions.get(engine_id)
         if lost is not None:
             self.weight_versions[engine_id] = None

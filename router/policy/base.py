@@ -102,6 +102,9 @@ class Policy(ABC):
     def on_prefix_cache_reset(self, now: float) -> None:  # noqa: B027
         """Every engine's prefix cache was reset (weight update): hit rates restart from zero."""
 
+    def on_engine_restarted(self, engine_id: str, now: float) -> None:  # noqa: B027
+        """One engine's process started again: its prefix cache is empty."""
+
     def on_session_end(self, session_key: str, now: float) -> None:  # noqa: B027
         """A multi-turn session ended. Policies without sessions ignore it."""
 

@@ -72,6 +72,9 @@ class ConcurrencyLimited(Policy):
     def on_prefix_cache_reset(self, now: float) -> None:
         self.inner.on_prefix_cache_reset(now)
 
+    def on_engine_restarted(self, engine_id: str, now: float) -> None:
+        self.inner.on_engine_restarted(engine_id, now)
+
     def set_mix(self, mix: WorkloadMix) -> None:
         self.inner.set_mix(mix)
 

@@ -606,6 +606,15 @@ class MisaPolicy(Policy):
         for guard in self.guards.values():
             guard.reset(now)
 
+    def on_engine_restarted(self, engine_id: str, now: float) -> None:
+        # What the index says the engine holds is gone, and its hit rate restarts from a cold
+        # cache: measured against the level before, the guard would cut new sessions on the
+        # engine with the most room.
+        self.index.remove_engine(engine_id)
+        guard = self.guards.get(engine_id)
+        if guard is not None:
+            guard.reset(now)
+
     def on_engine_removed(self, engine_id: str, now: float) -> None:
         super().on_engine_removed(engine_id, now)
         for key, live in list(self.sessions.items()):

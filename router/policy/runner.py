@@ -226,6 +226,11 @@ class PolicyRunner:
         """The caller reset every engine's prefix cache (weight update)."""
         self.policy.on_prefix_cache_reset(now)
 
+    def engine_restarted(self, engine_id: str, now: float) -> None:
+        """One engine restarted (``EngineRegistry``): its prefix cache is empty; its sessions stay
+        pinned to it (their next turns re-prefill wherever they go)."""
+        self.policy.on_engine_restarted(engine_id, now)
+
     def apply_settings(
         self,
         settings: PolicySettings,

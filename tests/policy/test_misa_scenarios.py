@@ -291,6 +291,24 @@ def test_prefix_affinity_sends_group_samples_together() -> None:
     assert second.scores["hit_tokens"] == 4096
 
 
+def test_an_engine_restart_forgets_its_prefixes_and_its_guards_healthy_level() -> None:
+    adm = SessionAdmissionSettings(confirm_epochs=1, hit_ewma_alpha=1.0, degradation_cost_tolerance=0.0)
+    runner = make_runner(PolicyName.MISA_T, (ClassSpec(name="rlvr", share=100),), admission=adm)
+    eng = engines(2, capacity=10**7)
+    shared = tuple(range(4096))
+    first = runner.submit(RequestMeta("g0", "rlvr", prompt_token_ids=shared, prompt_tokens=4096), eng, 0.0)
+    assert first.engine_id is not None
+    state = {"q": 0.0, "h": 0.0}
+    _feed_hits(runner, first.engine_id, [0.9, 0.9, 0.2], 1.0, state)  # the first reading is a baseline
+    guard = runner.policy.guards[first.engine_id]  # type: ignore[attr-defined]
+    assert guard.factor < 1.0  # cut, measured against the level before
+    runner.engine_restarted(first.engine_id, 5.0)
+    assert (guard.factor, guard.healthy, guard.hit_rate) == (1.0, None, None)
+    # The prompt it was sent is no longer where the index looks for it.
+    again = runner.submit(RequestMeta("g1", "rlvr", prompt_token_ids=shared, prompt_tokens=4096), eng, 6.0)
+    assert again.scores["hit_tokens"] == 0
+
+
 def test_engine_removed_releases_its_sessions_and_continuation_moves() -> None:
     classes = (ClassSpec(name="agentic", share=100, multi_turn=True),)
     runner = make_runner(PolicyName.MISA_T, classes)
