@@ -3,6 +3,8 @@
 - ``areal``: AReaL's remote-vLLM backend, labelled, with its pause and weight-update calls
   routed through the router's admin API;
 - ``verl``: verl's ``AsyncLLMServerManager.generate`` over HTTP, sticky by ``request_id``;
+- ``skyrl``: SkyRL's ``InferenceEngineInterface`` (``RemoteInferenceClient``'s place), each
+  trajectory one session, its pause, sleep and weight-sync calls through the admin API;
 - ``openai_agent``: a multi-turn agent loop on the official ``openai`` client.
 
 None imports its framework: each speaks the framework's request and response shapes (pinned
