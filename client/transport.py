@@ -27,6 +27,19 @@ default ``hold_deadline_s`` (300 s), so a held request gets the router's 503 bef
 gives up."""
 
 
+CONNECTION_LIMIT = 0
+"""Connections a session the client opens itself may hold at once (aiohttp's ``limit``; 0: no
+cap). aiohttp's default, 100, would queue a worker's 101st concurrent rollout inside the client,
+where the router's admission (its holds, its mixture, its deadlines) never sees it."""
+
+
+def open_http() -> aiohttp.ClientSession:
+    """An aiohttp session for requests to the router, without a client-side connection cap."""
+    import aiohttp
+
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=CONNECTION_LIMIT))
+
+
 @dataclass(frozen=True, slots=True)
 class HttpCall:
     """One request: method, path (under the base URL), query, JSON body, extra headers."""
@@ -86,7 +99,7 @@ class AsyncTransport:
         import aiohttp
 
         if self._http is None:
-            self._http = aiohttp.ClientSession()
+            self._http = open_http()
         url = call.url(self.base_url)
         data = None if call.json is None else json.dumps(call.json).encode()
         headers = dict(call.headers)

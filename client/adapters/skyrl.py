@@ -53,6 +53,7 @@ from ..admin_models import EngineFanOut, EngineOp, PauseMode, PauseResult, Resum
 from ..errors import MisatClientError
 from ..retry import HoldRetry
 from ..session import CHAT_PATH, COMPLETIONS_PATH, AsyncRolloutSession
+from ..transport import open_http
 from .areal import AdminAction, FanOutAction, NotRoutable, PassThroughAction, PauseAction, ResumeAction
 
 if TYPE_CHECKING:
@@ -451,17 +452,15 @@ class RouterInferenceClient:
     # ---- HTTP and sessions ----
 
     def _client_session(self) -> aiohttp.ClientSession:
-        import aiohttp
-
         loop = asyncio.get_running_loop()
         if self._http is None or self._http.closed or self._http_loop is not loop:
             # SkyRL drives one client from several event loops (an asyncio.run at set-up, then the
             # trainer's loop). An aiohttp session belongs to one loop, and so do the rollout
             # sessions built on it.
             self._sessions.clear()
-            # No client-side cap on connections: the router holds what the pool cannot take.
-            # SkyRL caps its own requests per engine only because nothing else does.
-            self._http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+            # No client-side cap on connections (open_http): the router holds what the pool cannot
+            # take. SkyRL caps its own requests per engine only because nothing else does.
+            self._http = open_http()
             self._http_loop = loop
         return self._http
 

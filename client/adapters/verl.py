@@ -23,7 +23,7 @@ from pydantic import BaseModel
 
 from ..retry import HoldRetry
 from ..session import AsyncRolloutSession
-from ..transport import DEFAULT_TIMEOUT_S
+from ..transport import DEFAULT_TIMEOUT_S, open_http
 
 if TYPE_CHECKING:
     import aiohttp
@@ -130,9 +130,7 @@ class HttpServerManager:
 
     def _new_session(self, request_id: str) -> AsyncRolloutSession:
         if self._http is None:
-            import aiohttp
-
-            self._http = aiohttp.ClientSession()
+            self._http = open_http()
         return AsyncRolloutSession(self.router_url, self.rollout_class, request_id, http=self._http,
                                    retry=self._retry, timeout_s=self._timeout_s)
 

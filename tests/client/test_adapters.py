@@ -212,6 +212,26 @@ def test_verl_sampling_params_become_a_vllm_completion_body() -> None:
         "aborted", "completed", "completed", "tool_calls"]
 
 
+async def test_verl_trajectories_past_aiohttps_default_connection_cap_all_reach_the_router(
+        fake_pool: PoolFactory) -> None:
+    pool = await fake_pool()
+    gate = pool.fakes[0].gate = asyncio.Event()  # every answer waits: all trajectories at once
+    manager = HttpServerManager(pool.url, pool.model, default_max_tokens=2)
+    n = 120  # aiohttp's default session holds 100 connections and queues the rest in the client
+    tasks = [asyncio.create_task(manager.generate(f"traj-{i}", prompt_ids=[1, 2, 3], sampling_params={}))
+             for i in range(n)]
+    try:
+        # Admitted (placed or held) by the router, where admission belongs.
+        await pool.wait(lambda: len(pool.state.dispatcher.in_flight) + pool.state.runner.held_count() == n)
+    finally:
+        gate.set()
+        try:
+            outs = await asyncio.gather(*tasks)
+        finally:
+            await manager.close()
+    assert [o.token_ids for o in outs] == [[0, 1]] * n
+
+
 async def test_verl_generate_is_sticky_by_request_id(sim_pool: PoolFactory) -> None:
     pool = await sim_pool()
     manager = HttpServerManager(pool.url, pool.model, default_max_tokens=5)

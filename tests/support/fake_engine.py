@@ -5,8 +5,8 @@
 with ``usage`` and ``prompt_tokens_details.cached_tokens``), ``/v1/models``, ``/tokenize``,
 ``/health``, ``/metrics`` with vLLM's names, ``/reset_prefix_cache``.
 
-Answers are deterministic (``max_tokens`` tokens ``t0 t1 ...``, usage counted from the
-prompt), so a routed answer can be compared byte for byte with a direct one. Any body is
+Answers are deterministic (``max_tokens`` tokens ``t0 t1 ...``, ids ``0 1 ...`` with
+``return_token_ids``, usage counted from the prompt), so a routed answer can be compared byte for byte with a direct one. Any body is
 answered without a crash: invalid JSON is a 400 in vLLM's error shape, odd fields fall back
 to defaults (the fuzz suite sends everything).
 
@@ -308,10 +308,12 @@ class FakeEngine:
                     "usage": usage,
                 }
             else:
+                choice: dict[str, Any] = {"index": 0, "text": text, "finish_reason": "length", "logprobs": None}
+                if body.get("return_token_ids") is True:
+                    choice["token_ids"] = list(range(n))  # vLLM's return_token_ids: token t<i> is id i
                 out = {
                     "id": "cmpl-1", "object": "text_completion", "created": 1, "model": self.model,
-                    "choices": [{"index": 0, "text": text, "finish_reason": "length", "logprobs": None}],
-                    "usage": usage,
+                    "choices": [choice], "usage": usage,
                 }
             return web.json_response(out, headers={"X-Engine-Name": self.name})
         except asyncio.CancelledError:
