@@ -6,6 +6,8 @@
 - ``skyrl``: SkyRL's ``InferenceEngineInterface`` (``RemoteInferenceClient``'s place), each
   trajectory one session, its pause, sleep and weight-sync calls through the admin API;
 - ``openai_agent``: a multi-turn agent loop on the official ``openai`` client.
+- ``actions``: what a framework's control request becomes on the admin API (shared by
+  ``areal`` and ``skyrl``).
 
 None imports its framework: each speaks the framework's request and response shapes (pinned
 in ``tests/client`` with the framework commit they were read from).

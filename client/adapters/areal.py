@@ -34,13 +34,13 @@ from __future__ import annotations
 
 import copy
 from collections import OrderedDict
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 from urllib.parse import parse_qsl, urlsplit
 
 from ..admin import EngineCall, SyncAdminClient
 from ..admin_models import EngineFanOut, EngineOp, PauseMode, PauseResult, ResumeResult, WeightUpdateResult
 from ..labels import RolloutLabels
+from .actions import AdminAction, FanOutAction, NotRoutable, PassThroughAction, PauseAction, ResumeAction
 
 PAUSE_ENDPOINT = "/areal_pause_generation"
 CONTINUE_ENDPOINT = "/areal_continue_generation"
@@ -101,35 +101,6 @@ class LabelledBackend:
 
 
 # ---- control: AReaL's requests as admin calls (pure) -------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class PauseAction:
-    mode: PauseMode = PauseMode.ABORT
-    reset_prefix_cache: bool = True
-
-
-@dataclass(frozen=True, slots=True)
-class ResumeAction:
-    reset_prefix_cache: bool = True
-
-
-@dataclass(frozen=True, slots=True)
-class FanOutAction:
-    op: EngineOp
-    query: dict[str, str] = field(default_factory=dict)
-
-
-@dataclass(frozen=True, slots=True)
-class PassThroughAction:
-    call: EngineCall
-
-
-AdminAction = PauseAction | ResumeAction | FanOutAction | PassThroughAction
-
-
-class NotRoutable(ValueError):
-    """An AReaL request the router cannot carry (the reason says why)."""
 
 
 def admin_action(endpoint: str, payload: dict[str, Any] | None = None, method: str = "POST") -> AdminAction:

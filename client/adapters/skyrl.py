@@ -54,7 +54,7 @@ from ..errors import MisatClientError
 from ..retry import HoldRetry
 from ..session import CHAT_PATH, COMPLETIONS_PATH, AsyncRolloutSession
 from ..transport import open_http
-from .areal import AdminAction, FanOutAction, NotRoutable, PassThroughAction, PauseAction, ResumeAction
+from .actions import AdminAction, FanOutAction, NotRoutable, PassThroughAction, PauseAction, ResumeAction
 
 if TYPE_CHECKING:
     import aiohttp

@@ -16,16 +16,8 @@ import openai
 import pytest
 
 from misat_client import EngineCall, PauseMode, PauseResult, SyncAdminClient
-from misat_client.adapters.areal import (
-    AReaLControl,
-    FanOutAction,
-    LabelledBackend,
-    NotRoutable,
-    PassThroughAction,
-    PauseAction,
-    ResumeAction,
-    admin_action,
-)
+from misat_client.adapters.actions import FanOutAction, NotRoutable, PassThroughAction, PauseAction, ResumeAction
+from misat_client.adapters.areal import AReaLControl, LabelledBackend, admin_action
 from misat_client.adapters.openai_agent import OpenAIAgentLoop, Trajectory
 from misat_client.adapters.skyrl import (
     ControlCallFailed,
