@@ -709,8 +709,9 @@ class EnginesStatus(_Model):
         None, description="Weight versions the router reports for its engines (more than one: mid-update)."
     )
     held: list[str] | None = Field(
-        None, description="Engines the router gives no new work although healthy: a restart lost the weight "
-        "version recorded for them, until a weight update through the router reaches them."
+        None, description="Engines the router gives no new work although healthy: each restarted, or joined the "
+        "pool, after a weight version was recorded, and serves its start-up weights until a weight update "
+        "through the router reaches it."
     )
 
 

@@ -257,7 +257,7 @@ def weight_versions(status: RouterStatus) -> list[str] | None:
 
 
 def held_engines(status: RouterStatus) -> list[str] | None:
-    """Engines the router holds although healthy (a restart lost their weight version), or None."""
+    """Engines the router holds although healthy (start-up weights after a restart or a late join), or None."""
     return sorted(e.id for e in status.engines if e.held is not None) or None
 
 

@@ -21,7 +21,9 @@ one engine process). Its KV cache is empty and it serves the weights it
 loaded at start, not the ones a trainer pushed since: the owner is told
 (``on_restarted``), and may *hold* it (``hold``): healthy, probed and
 scraped, and a target of engine-wide calls, but offered to the policy as not
-healthy until ``release_hold``.
+healthy until ``release_hold``. So may an engine new to the pool (a new
+address: a replaced pod, a scale-up; ``on_joined``) once a trainer has
+versioned the others' weights.
 
 Engine ids are base URLs without a trailing slash (``http://10.0.0.5:8000``).
 Engines start out of rotation until their first health check passes.
@@ -84,12 +86,14 @@ class EngineRegistry:
         on_up: EngineCallback,
         on_removed: EngineCallback,
         on_restarted: EngineCallback | None = None,
+        on_joined: EngineCallback | None = None,
     ) -> None:
         self._clock = clock
         self._on_down = on_down
         self._on_up = on_up
         self._on_removed = on_removed
         self._on_restarted = on_restarted
+        self._on_joined = on_joined
         self._engines: dict[str, EngineState] = {}
         self._known: list[str] = []
         self._owns: OwnershipFilter | None = None
@@ -125,6 +129,7 @@ class EngineRegistry:
         """Make the registry hold exactly ``engine_ids`` (those this router owns of them, when an
         ownership filter is set, plus those it hands back with a drain); returns (added, no longer
         owned: dropped, or handed back)."""
+        before = set(self._known)
         self._known = list(dict.fromkeys(engine_ids))
         wanted = self._owns(self._known) if self._owns is not None else list(self._known)
         wanted_set, known = set(wanted), set(self._known)
@@ -139,6 +144,9 @@ class EngineRegistry:
         for e in added:
             self._engines[e] = EngineState(e)
             log.info("engine added: %s", e)
+            # New to the pool, not only to this shard (a peer's engines taken over have served all along).
+            if e not in before and self._on_joined is not None:
+                self._on_joined(e)
         for e in reclaimed:
             del self._hand_back_since[e]
             log.info("engine owned again before its hand-back ended: %s", e)
@@ -326,6 +334,13 @@ class EngineRegistry:
 
     def _invalidate(self) -> None:
         self._snapshot = None
+
+
+def joined_hold_reason(versions: list[str]) -> str:
+    """Why an engine that joined a pool with recorded weight versions is held."""
+    return (f"joined after weight version {', '.join(repr(v) for v in versions)} was recorded for the pool: it "
+            "serves the weights it loaded at start; placed on again once a weight update through "
+            "/admin/engines/call with weight_version answers 2xx from it")
 
 
 def restart_hold_reason(lost_version: str) -> str:

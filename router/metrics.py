@@ -97,8 +97,8 @@ class _StateCollector(Collector):
 
         healthy = g("misat_engine_healthy", "1 when the engine passes its health checks (in rotation unless held).",
                     labels=["engine"])
-        held = g("misat_engine_held", "1 when the engine, though healthy, is held: a restart lost its recorded "
-                 "weight version.", labels=["engine"])
+        held = g("misat_engine_held", "1 when the engine, though healthy, is held with its start-up weights "
+                 "(it restarted, or joined the pool, after a weight version was recorded).", labels=["engine"])
         inflight = g("misat_engine_in_flight", "Router requests in flight.", labels=["engine"])
         kv_usage = g("misat_engine_kv_usage", "vLLM KV usage (0..1).", labels=["engine"])
         hit = g("misat_engine_prefix_hit_rate", "Engine prefix-hit rate.", labels=["engine"])

@@ -22,7 +22,7 @@ from aiohttp import web
 
 from .config import ConfigError, RouterConfig, parse_config
 from .dispatcher import Dispatcher
-from .engines import EngineRegistry, restart_hold_reason
+from .engines import EngineRegistry, joined_hold_reason, restart_hold_reason
 from .errors import ConfigRejected, RouterError, ShuttingDown
 from .metrics import RouterMetrics
 from .policy.registry import build_policy
@@ -68,7 +68,7 @@ class RouterState:
         self.runner = PolicyRunner(build_policy(config.policy, config.workloads), config.workloads)
         self.registry = EngineRegistry(
             clock, on_down=self._engine_down, on_up=self._engine_up, on_removed=self._engine_removed,
-            on_restarted=self._engine_restarted,
+            on_restarted=self._engine_restarted, on_joined=self._engine_joined,
         )
         self._pending_release: dict[str, asyncio.TimerHandle] = {}
         self.metrics = RouterMetrics(self.status)
@@ -232,8 +232,8 @@ class RouterState:
 
         ``answered``: each of ``engines`` answered 2xx to the weight-update call itself
         (``/admin/engines/call``), which releases an engine held since a restart. Without that
-        proof (``/admin/resume``), a held engine is left as it is: its restart lost the weights a
-        trainer pushed, and whether the update reached it is not known.
+        proof (``/admin/resume``), a held engine is left as it is: it serves its start-up weights, and
+        whether the update reached it is not known.
         """
         released = False
         for engine in engines:
@@ -304,6 +304,15 @@ class RouterState:
             self.registry.hold(engine_id, restart_hold_reason(lost))
         self.dispatcher.kick()
         self.touch()
+
+    def _engine_joined(self, engine_id: str) -> None:
+        """A new engine in the pool (a replaced pod at a new address, a scale-up) serves the
+        weights it loaded at start: where a trainer has versioned the others', it is held as a
+        restarted one is, until a weight update reaches it."""
+        versions = sorted({v for e, v in self.weight_versions.items()
+                           if v is not None and e != engine_id and self.registry.get(e) is not None})
+        if versions:
+            self.registry.hold(engine_id, joined_hold_reason(versions))
 
     def _engine_up(self, engine_id: str) -> None:
         handle = self._pending_release.pop(engine_id, None)

@@ -97,8 +97,9 @@ class EngineStatus(BaseModel):
     )
     restarts: int = Field(0, description="Restarts seen: the engine's cumulative vLLM counters went back.")
     held: str | None = Field(
-        None, description="Why the engine, though healthy, takes no work: a restart lost the weight version "
-        "recorded for it, until a weight update through /admin/engines/call reaches it; null otherwise."
+        None, description="Why the engine, though healthy, takes no new work: it restarted, or joined the pool, after "
+        "a weight version was recorded, and serves its start-up weights until a weight update through "
+        "/admin/engines/call reaches it; null otherwise."
     )
 
 

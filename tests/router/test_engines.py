@@ -192,3 +192,20 @@ def test_without_a_drain_an_engine_handed_back_is_dropped_at_once() -> None:
 def test_engine_url_brackets_ipv6() -> None:
     assert engine_url("http", "10.0.0.1", 8000) == "http://10.0.0.1:8000"
     assert engine_url("http", "fd00::1", 8000) == "http://[fd00::1]:8000"
+
+
+def test_an_engine_is_joined_once_when_new_to_the_pool_not_when_a_shard_takes_it_over() -> None:
+    joined: list[str] = []
+    reg = EngineRegistry(lambda: 0.0, on_down=list().append, on_up=list().append,
+                         on_removed=list().append, on_joined=joined.append)
+    owns = Owns({"http://a"})
+    reg.set_ownership(owns)
+    reg.set_engines(["http://a", "http://b"])
+    assert joined == ["http://a"]  # b is known, another shard's
+    owns.mine = {"http://a", "http://b"}  # its shard went down: b is taken over, not new
+    assert reg.refilter() == (["http://b"], [])
+    reg.set_engines(["http://a", "http://b", "http://c"])
+    assert joined == ["http://a"]  # new to the pool, but another shard's: that shard holds it if need be
+    owns.mine.add("http://d")
+    reg.set_engines(["http://a", "http://b", "http://c", "http://d"])
+    assert joined == ["http://a", "http://d"]

@@ -280,6 +280,38 @@ async def test_an_engine_restart_loses_its_weight_version_and_holds_it_until_an_
             await f.close()
 
 
+async def test_an_engine_joining_after_a_weight_version_is_held_until_an_update_reaches_it(make) -> None:
+    fakes = [FakeEngine(n, wait_s=WAIT_S) for n in "abc"]
+    for f in fakes:
+        await f.start()
+    try:
+        a, b, c = (f.url for f in fakes)
+        r = await make([a])
+        async with aiohttp.ClientSession() as http:
+            # Before any version: a new engine (a scale-up) is simply placed on.
+            doc = r.state.config.model_dump(mode="json") | {"generation": 2, "engines": {"urls": [a, b]}}
+            async with http.put(r.url + "/admin/config", json=doc, headers=AUTH) as resp:
+                assert resp.status == 200
+            await r.wait(lambda: r.state.registry.placeable_count() == 2)
+            call = {"method": "GET", "path": "/health", "weight_version": "v1"}
+            async with http.post(r.url + "/admin/engines/call", json=call, headers=AUTH) as resp:
+                assert resp.status == 200
+            # After one: a pod at a new address serves its start-up weights, so it waits for an update.
+            doc |= {"generation": 3, "engines": {"urls": [a, b, c]}}
+            async with http.put(r.url + "/admin/config", json=doc, headers=AUTH) as resp:
+                assert resp.status == 200
+            await r.wait(lambda: r.state.registry.healthy_count() == 3)
+            assert r.state.registry.placeable_count() == 2
+            assert "joined after weight version 'v1'" in (r.state.registry.get(c).held or "")  # type: ignore[union-attr]
+            call["weight_version"] = "v2"
+            async with http.post(r.url + "/admin/engines/call", json=call, headers=AUTH) as resp:
+                assert resp.status == 200
+            assert r.state.registry.placeable_count() == 3 and r.state.weight_versions == dict.fromkeys([a, b, c], "v2")
+    finally:
+        for f in fakes:
+            await f.close()
+
+
 async def test_a_restart_without_a_recorded_version_is_counted_and_holds_nothing(engines, make) -> None:
     r = await make([e.url for e in engines])
     await _restart(r, engines[0])
