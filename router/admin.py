@@ -16,7 +16,9 @@
 - ``POST /admin/engines/{sleep,wake_up,reset_prefix_cache}``: vLLM's control
   call on every engine (query passed through), results per engine.
 - ``POST /admin/engines/call``: any control call (a framework's weight update)
-  passed to every engine; never a generation path (``/v1/...``). With
+  passed to every engine; never a generation path (``/v1/...``). A
+  ``POST /reset_prefix_cache`` answered 2xx resets the policy's prefix index too,
+  as the ``reset_prefix_cache`` op does. With
   ``weight_version`` the version is recorded for each engine answering 2xx,
   which also ends the hold of an engine held since a restart.
 
@@ -312,6 +314,10 @@ async def handle_engine_call(request: web.Request) -> web.Response:
     if call.weight_version is not None:
         state.record_weight_version([e for e, r in results.items() if _ok(r)], call.weight_version,
                                     answered=True)
+    if call.method == "POST" and call.path == RESET_PREFIX_CACHE_PATH and any(_ok(r) for r in results.values()):
+        # As /admin/engines/reset_prefix_cache does; passed through, the call can carry a body
+        # (newer vLLM's reset_running_requests) that the fan-out op does not send.
+        state.prefix_caches_reset()
     log.info("engine call %s %s: %s", call.method, call.path,
              {e: r.get("status", r.get("error")) for e, r in results.items()})
     return web.json_response({"method": call.method, "path": call.path, "engines": results})

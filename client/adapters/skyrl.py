@@ -341,12 +341,11 @@ def control_actions(req: ControlRequest, pause_mode: PauseMode = PauseMode.ABORT
     if path in ("/sleep", "/wake_up"):
         return (FanOutAction(EngineOp(path.removeprefix("/")), query),)
     if path == "/reset_prefix_cache":
-        reset = FanOutAction(EngineOp.RESET_PREFIX_CACHE, query)
         if isinstance(body, Mapping) and body.get("reset_running_requests"):
-            # The fan-out op sends no body, but SkyRL's server reads this flag from the body. The
-            # op also resets the router's prefix index, which a pass-through leaves stale. So both.
-            return (reset, PassThroughAction(EngineCall(path, dict(body), req.method, query)))
-        return (reset,)
+            # SkyRL's server reads the flag from the body, which the fan-out op does not send; the
+            # pass-through does, and resets the router's prefix index as the op does.
+            return (PassThroughAction(EngineCall(path, dict(body), req.method, query)),)
+        return (FanOutAction(EngineOp.RESET_PREFIX_CACHE, query),)
     if path == "/collective_rpc" and isinstance(body, Mapping) and body.get("method") == "update_weights_ipc":
         raise NotRoutable("update_weights_ipc: CUDA IPC handles open only on the GPUs of the process that made "
                           "them (engines colocated with the trainer), not on engines behind a router")

@@ -202,6 +202,20 @@ async def test_engine_ops_fan_out_and_the_call_passes_through(sims, make) -> Non
     assert "misat_weight_version_changes_total" in metrics
 
 
+async def test_a_prefix_cache_reset_passed_through_resets_the_policys_index_too(sims, make_router) -> None:
+    r = await make_router([s.base_url for s in sims], admin_token=TOKEN, policy="misa")
+    index = r.state.runner.policy.index
+    async with aiohttp.ClientSession() as http:
+        async with http.post(r.url + "/v1/completions", headers=RLVR,
+                             json={"model": MODEL, "prompt": list(range(100, 164)), "max_tokens": 1}) as resp:
+            engine = resp.headers["X-Misat-Engine"]
+        assert index.size(engine) > 0
+        call = {"path": "/reset_prefix_cache", "body": {"reset_running_requests": False}}
+        async with http.post(r.url + "/admin/engines/call", json=call, headers=AUTH) as resp:
+            assert all(v["status"] == 200 for v in (await resp.json())["engines"].values())
+    assert index.size(engine) == 0
+
+
 async def test_a_failed_engine_is_reported_and_not_versioned(make) -> None:
     fakes = [FakeEngine("a", wait_s=WAIT_S), FakeEngine("b", wait_s=WAIT_S)]
     for f in fakes:
