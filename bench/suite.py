@@ -152,6 +152,12 @@ POLICY_VARIANTS: dict[str, PolicySettings] = {
         name=PolicyName.SESSION_ADMISSION, admission=SessionAdmissionSettings(degradation_cost_tolerance=0.0)),
     "session-admission-cost-check": PolicySettings(
         name=PolicyName.SESSION_ADMISSION, admission=SessionAdmissionSettings(degradation_cost_tolerance=0.05)),
+    # The hit guard's long memory (which kept hits and lost rate where decodes dominate) with the cost
+    # check (which lets gaps pass where few prompt tokens are looked up): meant to keep the first
+    # where prompts are heavy and the rate where decodes are (docs/policy.md).
+    "session-admission-hit-memory-cost-check": PolicySettings(
+        name=PolicyName.SESSION_ADMISSION,
+        admission=SessionAdmissionSettings(healthy_hit_decay=0.9999, degradation_cost_tolerance=0.05)),
 }
 """Policies under test by name, each run at the high ceiling with no per-cell tuning. Add a
 variant here (a T-shape, a footprint estimator) and name it in ``--policies``; a variant equal

@@ -15,6 +15,10 @@ and to tuned-once (mean and 95% interval over the seeds), prefix hit against
 the ideal, TV against the sampling noise, and the mean and worst cell: the
 inputs of the rule that picks the default (docs/policy.md).
 
+``--against-default CELLS`` (e.g. the 16-engine family, whose oracle sweeps cost CPU-hours):
+each variant and the default (``session-admission``) at the cell's high ceiling on the same
+seeded sessions, and each variant's ratio to the default paired by seed; no oracle point runs.
+
 The oracle is the cell's (``misat bench``'s ``oracle`` row): the ceiling with
 the best mean over seeds. v2's sweeps refined around each seed's best point,
 so here every seed runs at each of the three per-seed best ceilings v2 found,
@@ -235,6 +239,60 @@ def report(s: BenchSettings, cells: list[Cell], policies: list[str], records: di
     return "\n".join(out)
 
 
+PAIRED_BASE = "session-admission"
+"""What ``--against-default`` pairs each variant with: the default's settings under its variant name,
+so its runs share the cache keys of the suite's and of this tool's other modes."""
+
+
+def against_default(cells_text: str, policies: list[str], jobs: int, out: Path) -> str:
+    """``--against-default``: the variants and the default at each cell's high ceiling, every seed;
+    a table of each variant's mixture-constrained rate over the default's, paired by seed, with
+    both prefix hits and the ideal."""
+    ids = [c.strip() for c in cells_text.split(",") if c.strip()]
+    large = sorted({int(c.rpartition(":")[2]) for c in ids if ":" in c} - {MATRIX_ENGINES})
+    mixtures = sorted({c.partition("@")[2].partition(":")[0] for c in ids})
+    s = BenchSettings(large_fleet_engines=tuple(large), large_fleet_mixtures=tuple(mixtures) or ("paper",))
+    cells = [c for c in s.cells() if c.id in ids]
+    missing = sorted(set(ids) - {c.id for c in cells})
+    if missing:
+        raise SystemExit(f"variant_check: unknown cell {missing[0]!r}")
+    names = [PAIRED_BASE, *(p for p in policies if p != PAIRED_BASE)]
+
+    def done(rec: RunRecord, cached: bool) -> None:
+        print(f"{'cached' if cached else 'ran   '} {rec.spec.cell(s).id} seed {rec.spec.seed_of(s)} {rec.spec.label}: "
+              f"{rec.metrics.mixture_rate_per_min:.1f}/min, hit {rec.metrics.prefix_hit_rate:.3f} "
+              f"({rec.cpu_s:.0f} CPU-s)", flush=True)
+
+    recs = run_all(variant_runs(s, cells, names), s, jobs=jobs, cache=RunCache(out / "cache"), on_done=done)
+    by: dict[tuple[str, str], dict[int, RunRecord]] = {}
+    for r in recs:
+        by.setdefault((r.spec.cell(s).id, r.spec.variant), {})[r.spec.seed_of(s)] = r
+
+    def mean(runs: dict[int, RunRecord], field: Callable[[RunRecord], float]) -> float:
+        return sum(field(r) for r in runs.values()) / len(runs)
+
+    lines = []
+    for p in names[1:]:
+        lines += [f"### {p} against {PAIRED_BASE}", "",
+                  "| cell | default mix-rate/min | variant | variant / default | default hit | variant hit "
+                  "| ideal hit |",
+                  "|---|---:|---:|---|---:|---:|---:|"]
+        for c in cells:
+            base, var = by[(c.id, PAIRED_BASE)], by[(c.id, p)]
+            ratio = paired_ratio({k: r.metrics.mixture_rate_per_min for k, r in var.items()},
+                                 {k: r.metrics.mixture_rate_per_min for k, r in base.items()})
+            shown = "-" if ratio is None else (f"{ratio.mean:.3f}x ({ratio.low:.2f}-{ratio.high:.2f}, n={ratio.n}) "
+                                               f"{verdict(ratio).value}")
+            lines.append(
+                f"| {c.id} | {mean(base, lambda r: r.metrics.mixture_rate_per_min):.1f} "
+                f"| {mean(var, lambda r: r.metrics.mixture_rate_per_min):.1f} | {shown} "
+                f"| {100 * mean(base, lambda r: r.metrics.prefix_hit_rate):.1f}% "
+                f"| {100 * mean(var, lambda r: r.metrics.prefix_hit_rate):.1f}% "
+                f"| {100 * mean(base, lambda r: r.metrics.ideal_prefix_hit_rate):.1f}% |")
+        lines.append("")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--policies", default="session-admission,misa-t",
@@ -251,11 +309,18 @@ def main() -> None:
                     "per-seed oracle beside it")
     ap.add_argument("--cell-oracle-points", type=int, default=CELL_ORACLE_MAX_POINTS,
                     help="ceilings added around the best mean at most, per cell")
+    ap.add_argument("--against-default", default="", metavar="CELLS",
+                    help=f"instead: the variants and {PAIRED_BASE} on these cells (any of the suite's, e.g. "
+                    "steady@paper:16,steady@rlvr70:16), each variant's ratio to it paired by seed, no oracle")
     args = ap.parse_args()
     policies = [p for p in args.policies.split(",") if p]
     unknown = [p for p in policies if p not in POLICY_VARIANTS]
     if unknown:
         ap.error(f"unknown policy {unknown[0]!r}; known: {', '.join(POLICY_VARIANTS)}")
+    if args.against_default:
+        print()
+        print(against_default(args.against_default, policies, args.jobs, args.out))
+        return
     wanted = [c for c in args.cells.split(",") if c]
     missing = [c for c in wanted if c not in V2_ORACLE_CEILINGS]
     if missing:
