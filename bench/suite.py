@@ -158,6 +158,11 @@ POLICY_VARIANTS: dict[str, PolicySettings] = {
     "session-admission-hit-memory-cost-check": PolicySettings(
         name=PolicyName.SESSION_ADMISSION,
         admission=SessionAdmissionSettings(healthy_hit_decay=0.9999, degradation_cost_tolerance=0.05)),
+    # The same guard on the paper's policy: the guard settings are shared, so a default with them
+    # would change what `policy: misa-t` runs too.
+    "misa-t-hit-memory-cost-check": PolicySettings(
+        name=PolicyName.MISA_T,
+        admission=SessionAdmissionSettings(healthy_hit_decay=0.9999, degradation_cost_tolerance=0.05)),
 }
 """Policies under test by name, each run at the high ceiling with no per-cell tuning. Add a
 variant here (a T-shape, a footprint estimator) and name it in ``--policies``; a variant equal
