@@ -94,7 +94,7 @@ def engines_table(status: Mapping[str, Any]) -> Table:
     t = Table(title="engines (KV use and hits as the engines measure them)")
     rows = status.get("engines") or []
     extra = [k for k in ("weight_version",) if any(k in e for e in rows)]
-    # Only while some engine is held (a restart lost its weight version): the why is long.
+    # Only while some engine is held (start-up weights after a restart or a join): the why is long.
     extra += [k for k in ("held",) if any(e.get(k) is not None for e in rows)]
     headers = {"weight_version": "weight version", "held": "held (no new work)"}
     for col in ("engine", "healthy", "draining", "sessions", "in flight", "running", "waiting", "KV in use",

@@ -336,18 +336,20 @@ class EngineRegistry:
         self._snapshot = None
 
 
+_HOLD_ENDS = ("placed on again once a weight update through /admin/engines/call with weight_version "
+              "answers 2xx from it")
+"""How any hold ends (``RouterState.record_weight_version``), said in every reason."""
+
+
 def joined_hold_reason(versions: list[str]) -> str:
     """Why an engine that joined a pool with recorded weight versions is held."""
     return (f"joined after weight version {', '.join(repr(v) for v in versions)} was recorded for the pool: it "
-            "serves the weights it loaded at start; placed on again once a weight update through "
-            "/admin/engines/call with weight_version answers 2xx from it")
+            f"serves the weights it loaded at start; {_HOLD_ENDS}")
 
 
 def restart_hold_reason(lost_version: str) -> str:
     """Why an engine whose restart lost a recorded weight version is held (``/status``, errors)."""
-    return (f"restarted: it serves the weights it loaded at start, not weight version {lost_version!r}; "
-            "placed on again once a weight update through /admin/engines/call with weight_version "
-            "answers 2xx from it")
+    return f"restarted: it serves the weights it loaded at start, not weight version {lost_version!r}; {_HOLD_ENDS}"
 
 
 def _went_back(before: VllmMetrics, after: VllmMetrics) -> bool:

@@ -231,7 +231,7 @@ class RouterState:
         """The engines now serve weights ``version`` (shown in /status, counted on change).
 
         ``answered``: each of ``engines`` answered 2xx to the weight-update call itself
-        (``/admin/engines/call``), which releases an engine held since a restart. Without that
+        (``/admin/engines/call``), which releases an engine held since a restart or a join. Without that
         proof (``/admin/resume``), a held engine is left as it is: it serves its start-up weights, and
         whether the update reached it is not known.
         """
