@@ -123,43 +123,55 @@ ceiling, mean over seeds) is run on every other cell."""
 DEFAULT_POLICY: str = "default"
 """The variant the goals are about: the untuned ``PolicySettings()``."""
 
+SHORT_MEMORY_GUARD = SessionAdmissionSettings(healthy_hit_decay=0.98, degradation_cost_tolerance=0.0)
+"""The hit guard as it was the default until 2026-12-04: h* forgets 2% a sample and every gap over
+the tolerance counts. The variants that ran with it keep it, so that their published rows reproduce
+after the default moved on (docs/policy.md, "The long memory with the cost check")."""
+
 POLICY_VARIANTS: dict[str, PolicySettings] = {
     DEFAULT_POLICY: PolicySettings(),
     "misa-t": PolicySettings(name=PolicyName.MISA_T),
     "misa": PolicySettings(name=PolicyName.MISA),
     "session-admission": PolicySettings(name=PolicyName.SESSION_ADMISSION),
-    "misa-t-censored": PolicySettings(name=PolicyName.MISA_T, residency=ResidencySettings(censored=True)),
-    "misa-t-sqrt": PolicySettings(name=PolicyName.MISA_T, residency=ResidencySettings(exponent=0.5)),
-    "misa-t-target": PolicySettings(name=PolicyName.MISA_T, budget_basis="target"),
-    "footprint-peak-p90": PolicySettings(footprint=FootprintSettings(statistic="peak", percentile=90.0)),
-    "footprint-mean-p50": PolicySettings(footprint=FootprintSettings(statistic="mean", percentile=50.0)),
+    # The paper's policy and MISA with the guard they ran under on the matrix before the default changed.
+    "misa-t-short-memory": PolicySettings(name=PolicyName.MISA_T, admission=SHORT_MEMORY_GUARD),
+    "misa-short-memory": PolicySettings(name=PolicyName.MISA, admission=SHORT_MEMORY_GUARD),
+    # Each of the next five is one change to the default as it was when it ran, on that guard.
+    "misa-t-censored": PolicySettings(name=PolicyName.MISA_T, residency=ResidencySettings(censored=True),
+                                      admission=SHORT_MEMORY_GUARD),
+    "misa-t-sqrt": PolicySettings(name=PolicyName.MISA_T, residency=ResidencySettings(exponent=0.5),
+                                  admission=SHORT_MEMORY_GUARD),
+    "misa-t-target": PolicySettings(name=PolicyName.MISA_T, budget_basis="target", admission=SHORT_MEMORY_GUARD),
+    "footprint-peak-p90": PolicySettings(footprint=FootprintSettings(statistic="peak", percentile=90.0),
+                                         admission=SHORT_MEMORY_GUARD),
+    "footprint-mean-p50": PolicySettings(footprint=FootprintSettings(statistic="mean", percentile=50.0),
+                                         admission=SHORT_MEMORY_GUARD),
     # The next three are one change each to the default as it was before the hit guard's cost check,
-    # and keep that form (degradation_cost_tolerance 0) so that their published rows reproduce.
+    # and keep that form (the short-memory guard) so that their published rows reproduce.
     "session-admission-occupancy": PolicySettings(
         name=PolicyName.SESSION_ADMISSION, footprint=FootprintSettings(statistic="occupancy"),
-        admission=SessionAdmissionSettings(degradation_cost_tolerance=0.0)),
+        admission=SHORT_MEMORY_GUARD),
     "session-admission-longest-first": PolicySettings(
         name=PolicyName.SESSION_ADMISSION,
-        admission=SessionAdmissionSettings(release_order="longest-first", degradation_cost_tolerance=0.0)),
-    # The hit guard with a long memory: h* decays 1.2% a minute instead of 2% an epoch, so a hit
+        admission=SHORT_MEMORY_GUARD.model_copy(update={"release_order": "longest-first"})),
+    # The hit guard with a long memory: h* decays 1.2% a minute instead of 2% a sample, so a hit
     # rate that sinks slowly as sessions pile up still reads as degraded (docs/policy.md).
     "session-admission-hit-memory": PolicySettings(
         name=PolicyName.SESSION_ADMISSION,
         admission=SessionAdmissionSettings(healthy_hit_decay=0.9999, degradation_cost_tolerance=0.0)),
-    # The default without the hit guard's cost check, as it is again since the oracle is per cell,
-    # and with it, as it was default between (docs/policy.md, "The hit guard's cost check").
+    # The default until 2026-12-04 (the short-memory guard, no cost check), and with the cost check
+    # alone, as it was the default on 2026-12-03 (docs/policy.md, "The hit guard's cost check").
     "session-admission-no-cost-check": PolicySettings(
-        name=PolicyName.SESSION_ADMISSION, admission=SessionAdmissionSettings(degradation_cost_tolerance=0.0)),
+        name=PolicyName.SESSION_ADMISSION, admission=SHORT_MEMORY_GUARD),
     "session-admission-cost-check": PolicySettings(
-        name=PolicyName.SESSION_ADMISSION, admission=SessionAdmissionSettings(degradation_cost_tolerance=0.05)),
-    # The hit guard's long memory (which kept hits and lost rate where decodes dominate) with the cost
-    # check (which lets gaps pass where few prompt tokens are looked up): meant to keep the first
-    # where prompts are heavy and the rate where decodes are (docs/policy.md).
+        name=PolicyName.SESSION_ADMISSION,
+        admission=SHORT_MEMORY_GUARD.model_copy(update={"degradation_cost_tolerance": 0.05})),
+    # The guard's long memory (which kept hits and lost rate where decodes dominate) with the cost
+    # check (which lets gaps pass where few prompt tokens are looked up): the default since
+    # 2026-12-04, named as it was while it was the candidate.
     "session-admission-hit-memory-cost-check": PolicySettings(
         name=PolicyName.SESSION_ADMISSION,
         admission=SessionAdmissionSettings(healthy_hit_decay=0.9999, degradation_cost_tolerance=0.05)),
-    # The same guard on the paper's policy: the guard settings are shared, so a default with them
-    # would change what `policy: misa-t` runs too.
     "misa-t-hit-memory-cost-check": PolicySettings(
         name=PolicyName.MISA_T,
         admission=SessionAdmissionSettings(healthy_hit_decay=0.9999, degradation_cost_tolerance=0.05)),
@@ -479,7 +491,11 @@ def cache_aware(limit: int | None = None, balance: tuple[int, float] | None = No
     """The vLLM Router baseline's settings (defaults unless a balance pair is given)."""
     ca = CacheAwareSettings() if balance is None else CacheAwareSettings(
         balance_abs_threshold=balance[0], balance_rel_threshold=balance[1])
-    return PolicySettings(name=PolicyName.CACHE_AWARE, concurrency_limit=limit, cache_aware=ca)
+    # cache_aware never reads the admission settings, but a run's cache key digests all of them:
+    # pinned to the guard the cached baselines ran with, a change of the admission defaults does
+    # not send every oracle sweep (CPU-hours on 16 engines) to be run again for the same figures.
+    return PolicySettings(name=PolicyName.CACHE_AWARE, concurrency_limit=limit, cache_aware=ca,
+                          admission=SHORT_MEMORY_GUARD)
 
 
 def _spec(cell: Cell, seed: int, baseline: Baseline, policy: PolicySettings, ceiling: int, label: str,

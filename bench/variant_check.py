@@ -71,6 +71,9 @@ V2_ORACLE_CEILINGS: dict[str, tuple[int, ...]] = {
     "steady@rlvr70:16": (1008, 920, 1504),
     "steady@rlhf70:16": (1240, 1216, 1192),
     "steady@agentic10:16": (928, 1152, 1536),
+    "steady@rlhf10:16": (848, 800, 800),
+    "steady@rlvr10:16": (864, 872, 880),
+    "steady@agentic70:16": (744, 784, 704),
 }
 """Each cell's oracle ceiling per seed (0, 1, 2) as benchmark v2 found it (docs/benchmark.md,
 "Results (v2)": the oracle rows' "each seed's best")."""
@@ -81,6 +84,9 @@ V2_TUNED_ONCE_CEILING = 200
 V2_TUNED_REQUEST_LIMIT = 256
 """request-limit in v2: the router request limit (cache_aware at the high ceiling) that was best on
 steady@paper:4's mean over seeds, then run unchanged on every cell."""
+TUNED_REQUEST_LIMITS: dict[int, int] = {MATRIX_ENGINES: V2_TUNED_REQUEST_LIMIT, 16: 1024}
+"""request-limit per fleet size: tuned on that fleet's steady@paper (16 engines: ``misat bench
+--cells steady@paper:16``, docs/benchmark.md), as the suite's request-limit row runs it."""
 
 
 def select_cells(wanted: list[str]) -> tuple[BenchSettings, list[Cell]]:
@@ -139,9 +145,13 @@ def limit_runs(s: BenchSettings, cells: list[Cell]) -> list[RunSpec]:
     runs: list[RunSpec] = []
     for cell in cells:
         high = s.high(cell.engines)
+        limit = TUNED_REQUEST_LIMITS.get(cell.engines)
+        if limit is None:
+            raise SystemExit(f"variant_check: no tuned request limit for {cell.engines} engines "
+                             f"(known: {', '.join(map(str, TUNED_REQUEST_LIMITS))})")
         for seed in s.seeds:
-            runs.append(_spec(cell, seed, Baseline.REQUEST_LIMIT, cache_aware(limit=V2_TUNED_REQUEST_LIMIT), high,
-                              f"cache_aware limit {V2_TUNED_REQUEST_LIMIT} @{high} (tuned on steady@paper:4)"))
+            runs.append(_spec(cell, seed, Baseline.REQUEST_LIMIT, cache_aware(limit=limit), high,
+                              f"cache_aware limit {limit} @{high} (tuned on steady@paper:{cell.engines})"))
             runs.append(_spec(cell, seed, Baseline.HIGH_LOAD, cache_aware(), high, f"cache_aware @{high}"))
     return runs
 
@@ -301,8 +311,10 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--out", type=Path, default=Path("out/variant-check"), help="run cache (the suite's format)")
     ap.add_argument("--limits", action="store_true",
-                    help=f"also run request-limit (limit {V2_TUNED_REQUEST_LIMIT}) and high-load at each cell's high "
-                    "ceiling, every seed, and report the variants' paired ratios to them")
+                    help="also run request-limit (the limit tuned on the fleet's steady@paper: "
+                    + ", ".join(f"{n} engines {lim}" for n, lim in TUNED_REQUEST_LIMITS.items())
+                    + ") and high-load at each cell's high ceiling, every seed, and report the variants' paired "
+                    "ratios to them")
     ap.add_argument("--cell-oracle", action="store_true",
                     help="the oracle as misat bench has it now: each cell's best ceiling on the mean over seeds, "
                     "searched from v2's per-seed best ceilings (runs every seed at them, then refines); v2's "

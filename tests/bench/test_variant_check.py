@@ -6,6 +6,7 @@ import math
 
 from misat_bench.suite import CEILING_ROUNDING, Baseline, BenchSettings, RunSpec, sweep_run
 from misat_bench.variant_check import (
+    TUNED_REQUEST_LIMITS,
     V2_ORACLE_CEILINGS,
     V2_TUNED_ONCE_CEILING,
     V2_TUNED_REQUEST_LIMIT,
@@ -105,3 +106,12 @@ def test_the_cell_oracle_is_searched_between_the_seeds_own_best_ceilings_on_ever
     i = ceilings.index(best)
     assert ceilings[i + 1] - best == CEILING_ROUNDING and best - ceilings[i - 1] == CEILING_ROUNDING
     assert 296 <= best <= 328  # near the mean's own peak (about 313), not at any seed's v2 point
+
+
+def test_a_large_fleets_request_limit_is_the_one_tuned_on_that_fleet() -> None:
+    """On 16 engines request-limit is 1024, the limit `misat bench` tuned on steady@paper:16 (64 per
+    engine, as 256 is on 4), not the 4-engine matrix's 256."""
+    s, cells = select_cells(["steady@rlvr70:16"])
+    limit = [r for r in limit_runs(s, cells) if r.baseline is Baseline.REQUEST_LIMIT]
+    assert {r.policy.concurrency_limit for r in limit} == {TUNED_REQUEST_LIMITS[16]} == {1024}
+    assert TUNED_REQUEST_LIMITS[4] == V2_TUNED_REQUEST_LIMIT

@@ -280,6 +280,21 @@ def test_the_query_rate_is_taken_over_the_samples_whole_span() -> None:
     assert _feed_hits(runner, "e0", [0.5], 7.0, state, tokens=1000)[0] < 1.0
 
 
+def test_a_slowly_sinking_hit_rate_reads_as_a_gap_only_with_the_long_memory() -> None:
+    """healthy_hit_decay: a hit rate sinking 0.5 points a sample (sessions piling up) stays within 2%
+    of h* at decay 0.98, which forgets the healthy level as fast as the rate sinks; the default 0.9999
+    remembers it, so the gap grows past the tolerance and the cap is cut."""
+    sinking = [0.9 - 0.005 * i for i in range(60)]
+    factors = {}
+    for decay in (0.98, SessionAdmissionSettings().healthy_hit_decay):
+        adm = SessionAdmissionSettings(confirm_epochs=3, hit_ewma_alpha=1.0, healthy_hit_decay=decay,
+                                       degradation_cost_tolerance=0.0)
+        runner = make_runner(PolicyName.SESSION_ADMISSION, admission=adm)
+        factors[decay] = _feed_hits(runner, "e0", sinking, 0.0, {"q": 0.0, "h": 0.0})
+    assert factors[0.98] == [1.0] * len(sinking)
+    assert min(factors[0.9999]) < 1.0
+
+
 def test_prefix_affinity_sends_group_samples_together() -> None:
     classes = (ClassSpec(name="rlvr", share=100),)
     runner = make_runner(PolicyName.MISA_T, classes)

@@ -254,9 +254,10 @@ def policy_case(name: PolicyName, seed: int, n_ops: int, n_engines: int, kv_toke
         cache_aware=CacheAwareSettings(max_tree_size=30_000, eviction_interval_s=4.0, balance_abs_threshold=6),
         footprint=FootprintSettings(min_samples=2, bootstrap_tokens=6000),
         residency=ResidencySettings(min_samples=2),
-        # The record predates the guard's cost check, and its snapshots' query counts are not
-        # an engine's; the check has its own tests (test_misa_scenarios).
-        admission=SessionAdmissionSettings(degradation_cost_tolerance=0.0),
+        # The record predates the guard's cost check and long memory (the default since
+        # 2026-12-04), and its snapshots' query counts are not an engine's; both have their own
+        # tests (test_misa_scenarios).
+        admission=SessionAdmissionSettings(healthy_hit_decay=0.98, degradation_cost_tolerance=0.0),
     )
     runner = PolicyRunner(build_policy(settings, MIX), MIX)
     gen = Prompts(rng, 50_000, [0, 300, 1200, 2500], (20, 900), 12_000)
