@@ -136,6 +136,9 @@ POLICY_VARIANTS: dict[str, PolicySettings] = {
     # The paper's policy and MISA with the guard they ran under on the matrix before the default changed.
     "misa-t-short-memory": PolicySettings(name=PolicyName.MISA_T, admission=SHORT_MEMORY_GUARD),
     "misa-short-memory": PolicySettings(name=PolicyName.MISA, admission=SHORT_MEMORY_GUARD),
+    "misa-t-cost-check": PolicySettings(
+        name=PolicyName.MISA_T,
+        admission=SHORT_MEMORY_GUARD.model_copy(update={"degradation_cost_tolerance": 0.05})),
     # Each of the next five is one change to the default as it was when it ran, on that guard.
     "misa-t-censored": PolicySettings(name=PolicyName.MISA_T, residency=ResidencySettings(censored=True),
                                       admission=SHORT_MEMORY_GUARD),
