@@ -1,0 +1,136 @@
+"""How much the benchmark's verdicts move with the step model's least certain constants.
+
+``sim/profiles.py`` names two roofline guesses as the least certain numbers of
+the 30B-A3B profile: the MoE prefill price per token (``PREFILL_MFU``) and the
+decode step's fixed cost (mostly the expert weights read once a step).
+``misat_bench.gpu_moe_calibration`` measured both parts on an H200
+(``docs/gpu-moe-h200.json``) and found them between two bounds:
+
+- **GEMM floor**: the dense and grouped-expert GEMMs alone, tokens already
+  sorted by expert (what a fully fused MoE kernel approaches);
+- **composed**: the same pass written with PyTorch primitives (routing,
+  permutation and a scatter-add between the GEMMs), an upper bound that vLLM's
+  fused kernels beat.
+
+This module runs steady@paper on 4 engines with the profile's constants
+replaced by each bound in turn (attention, KV reads and the per-sequence CPU
+cost unchanged): the coarse oracle sweep of ``cache_aware`` (its best point is
+the oracle; no refinement), high-load (``cache_aware`` at the high ceiling)
+and the untuned default at the high ceiling, every seed, the same seeded
+sessions for all. It prints high-load/oracle and default/oracle per variant,
+with the 95% interval over seeds.
+
+``python -P -m misat_bench.step_constants_sensitivity --jobs 2 --out out/step-sensitivity``
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from pathlib import Path
+
+from misat_bench.cluster_runs import RunCache, RunRecord, run_all
+from misat_bench.stats import mean_interval
+from misat_bench.suite import (
+    DEFAULT_POLICY,
+    PAPER_MIXTURE,
+    POLICY_VARIANTS,
+    Baseline,
+    BenchSettings,
+    Cell,
+    RunSpec,
+    WorkloadName,
+    sweep_run,
+)
+from misat_sim.profiles import PROFILES, QWEN30B_A3B_H100, QWEN30B_STEP_TIME
+
+MEASURED_GEMM_PREFILL_S_PER_TOKEN: float = 3.85e-6
+"""docs/gpu-moe-h200.json, grouped mode, 8192-token chunk: dense GEMMs 6.39 ms + expert GEMMs with
+the activation 25.17 ms over 48 layers, / 8192 tokens (359 TFLOP/s)."""
+MEASURED_GEMM_DECODE_STEP_S: float = 8.35e-3
+"""Same file, decode batch 128: dense 0.82 ms + expert GEMMs with the activation 7.53 ms."""
+MEASURED_COMPOSED_PREFILL_S_PER_TOKEN: float = 14.39e-6
+"""Same file, the whole composed pass over an 8192-token chunk: 117.85 ms / 8192 (96 TFLOP/s)."""
+MEASURED_COMPOSED_DECODE_STEP_S: float = 13.61e-3
+"""Same file, the whole composed pass at decode batch 128."""
+
+VARIANTS: dict[str, tuple[float, float]] = {
+    "profile": (QWEN30B_STEP_TIME.prefill_s_per_token, QWEN30B_STEP_TIME.fixed_overhead_s),
+    "gemm-floor": (MEASURED_GEMM_PREFILL_S_PER_TOKEN, MEASURED_GEMM_DECODE_STEP_S),
+    "composed": (MEASURED_COMPOSED_PREFILL_S_PER_TOKEN, MEASURED_COMPOSED_DECODE_STEP_S),
+}
+"""Variant -> (prefill seconds per token, fixed seconds per step)."""
+
+
+def profile_name(variant: str) -> str:
+    return QWEN30B_A3B_H100.name if variant == "profile" else f"{QWEN30B_A3B_H100.name}@{variant}"
+
+
+def register_variants() -> None:
+    """Put the bound profiles in the registry (at import: process-pool workers see them too)."""
+    for variant, (prefill, fixed) in VARIANTS.items():
+        if variant == "profile":
+            continue
+        step = QWEN30B_STEP_TIME.model_copy(update={"prefill_s_per_token": prefill, "fixed_overhead_s": fixed})
+        name = profile_name(variant)
+        PROFILES[name] = QWEN30B_A3B_H100.model_copy(update={"name": name, "step_time": step})
+
+
+register_variants()
+
+
+def plan(s: BenchSettings) -> list[RunSpec]:
+    cell = Cell(workload=WorkloadName.STEADY, mixture=PAPER_MIXTURE, engines=s.engines)
+    high = s.high(cell.engines)
+    runs = []
+    for seed in s.seeds:
+        runs += [sweep_run(cell, seed, c) for c in s.ceilings(cell.engines)]
+        runs.append(RunSpec(workload=cell.workload, mixture=cell.mixture, engines=cell.engines, seed=seed,
+                            baseline=Baseline.POLICY, policy=POLICY_VARIANTS[DEFAULT_POLICY], ceiling=high,
+                            label=f"{DEFAULT_POLICY} @{high}", steady_state=True, variant=DEFAULT_POLICY))
+    return runs
+
+
+def summarise(variant: str, s: BenchSettings, records: list[RunRecord]) -> str:
+    high = s.high(s.engines)
+    high_ratio, default_ratio, lines = [], [], []
+    for seed in s.seeds:
+        mine = [r for r in records if r.spec.seed == seed]
+        sweep = {r.spec.ceiling: r for r in mine if r.spec.baseline is Baseline.SWEEP}
+        best_c = max(sweep, key=lambda c: sweep[c].metrics.mixture_rate_per_min)
+        best = sweep[best_c].metrics
+        default = next(r for r in mine if r.spec.baseline is Baseline.POLICY).metrics
+        high_ratio.append(sweep[high].metrics.mixture_rate_per_min / best.mixture_rate_per_min)
+        default_ratio.append(default.mixture_rate_per_min / best.mixture_rate_per_min)
+        lines.append(
+            f"  seed {seed}: oracle @{best_c} {best.mixture_rate_per_min:.1f}/min "
+            f"hit {100 * best.prefix_hit_rate:.1f}%; "
+            f"high-load @{high} {sweep[high].metrics.mixture_rate_per_min:.1f} hit "
+            f"{100 * sweep[high].metrics.prefix_hit_rate:.1f}%; default {default.mixture_rate_per_min:.1f} "
+            f"hit {100 * default.prefix_hit_rate:.1f}% (ideal {100 * default.ideal_prefix_hit_rate:.1f}%)")
+    cpu = sum(r.cpu_s for r in records)
+    head = (f"{variant}: high-load / oracle {mean_interval(high_ratio).describe('.3f')}; "
+            f"default / oracle {mean_interval(default_ratio).describe('.3f')}; {cpu:.0f} CPU-s, "
+            f"median {statistics.median(r.cpu_s for r in records):.0f} per run")
+    return "\n".join([head, *lines])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--jobs", type=int, default=1)
+    ap.add_argument("--out", type=Path, default=Path("out/step-sensitivity"))
+    ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
+    args = ap.parse_args()
+    names = [v for v in args.variants.split(",") if v]
+    unknown = [v for v in names if v not in VARIANTS]
+    if unknown:
+        ap.error(f"unknown variant {unknown[0]!r}; known: {', '.join(VARIANTS)}")
+    cache = RunCache(args.out)
+    for variant in names:
+        s = BenchSettings(profile=profile_name(variant))
+        records = run_all(plan(s), s, jobs=args.jobs, cache=cache)
+        print(summarise(variant, s, records), flush=True)
+
+
+if __name__ == "__main__":
+    main()
