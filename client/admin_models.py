@@ -20,6 +20,10 @@ class PauseMode(StrEnum):
     ABORT = "abort"
     """Also abort every request in flight; each answers with what it generated so far and
     ``finish_reason: "abort"``, so a partial rollout can resume after the update."""
+    KEEP = "keep"
+    """Freeze every request in flight where it is (vLLM's keep pause on each engine serving
+    one); they go on after the resume. All or nothing: the router answers 502
+    ``engines_not_frozen`` and pauses nothing when an engine cannot freeze."""
 
 
 class EngineOp(StrEnum):
@@ -42,6 +46,8 @@ class PauseResult(_Answer):
     requests_in_flight: int
     held_requests: int
     aborted_requests: int = 0
+    frozen_engines: list[str] = []
+    """Engines whose requests a keep pause froze (empty otherwise, and after the resume)."""
     prefix_cache_reset: dict[str, str] | None = None
     """Per engine: ``ok``, ``status N`` or ``failed: <error>``; None when no reset was asked."""
 

@@ -3,12 +3,15 @@
 - ``PUT /admin/config``: a new RouterConfig (JSON or YAML body), applied
   atomically (``RouterState.reload``; the rules in ``reload.py``); 400 with the reason when invalid, 409 when stale.
 - ``GET /admin/config``: the applied config.
-- ``POST /admin/pause?mode=wait|abort``: new work is held (``RouterState.pause``).
+- ``POST /admin/pause?mode=wait|abort|keep``: new work is held (``RouterState.pause``).
   ``wait`` (default): requests in flight continue. ``abort``: they end now with
   vLLM's abort answer (partial output, ``finish_reason: "abort"``), through
   the engines' own ``/pause?mode=abort`` where they have it, else by the
-  router. ``?reset_prefix_cache=true`` also resets every engine's prefix cache
-  (default: ``pause_resets_prefix_cache``).
+  router. ``keep``: they freeze where they are, through vLLM's
+  ``/pause?mode=keep`` on every engine serving one, and go on after the
+  resume; all or nothing (an engine that cannot freeze undoes the pause, 502).
+  ``?reset_prefix_cache=true`` also resets every engine's prefix cache
+  (default: ``pause_resets_prefix_cache``; refused with ``keep``).
 - ``POST /admin/resume?weight_version=V``: resets prefix caches first if asked
   (after a weight update, old KV must not be reused), records ``V`` for every
   engine but those held since a restart (``engines.py``), resumes engines an
@@ -43,7 +46,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from . import shard_admin
 from .config import RouterConfig
-from .errors import AdminDisabled, InvalidRequest, NotFound, Unauthorized
+from .errors import AdminDisabled, InvalidRequest, NotFound, Unauthorized, UpstreamUnavailable
 from .passthrough import GENERATION_PREFIX, read_body
 from .request_meta import decode_json_object
 from .state import STATE, RouterState
@@ -114,8 +117,9 @@ async def handle_get_config(request: web.Request) -> web.Response:
     return web.json_response(body)
 
 
-PAUSE_MODES = ("wait", "abort")
-"""``/admin/pause?mode=``: ``wait`` lets in-flight requests finish; ``abort`` ends them now."""
+PAUSE_MODES = ("wait", "abort", "keep")
+"""``/admin/pause?mode=``: ``wait`` lets in-flight requests finish; ``abort`` ends them now; ``keep``
+freezes them until the resume."""
 ENGINE_OPS = ("sleep", "wake_up", "reset_prefix_cache")
 """vLLM control endpoints ``/admin/engines/{op}`` fans out to every engine (query passed through)."""
 ENGINE_PAUSE_PATH = "/pause"
@@ -179,6 +183,7 @@ def _pause_body(state: RouterState, mode: str | None, aborted: int,
         "requests_in_flight": len(state.dispatcher.in_flight),
         "held_requests": state.runner.held_count(),
         "aborted_requests": aborted,
+        "frozen_engines": sorted(state.engines_frozen),
         "prefix_cache_reset": reset,
     }
 
@@ -214,15 +219,73 @@ async def _abort_in_flight(state: RouterState) -> int:
     return len(live)
 
 
+async def _freeze_in_flight(state: RouterState, previous: tuple[bool, str | None]) -> None:
+    """``mode=keep``: every engine serving a request through the router freezes it in place
+    (vLLM's ``POST /pause?mode=keep``), to go on after ``/resume``. All or nothing: when an
+    engine does not freeze (no such endpoint or mode, unreachable, no answer within
+    ``scrape_timeout_s``), the engines that did are resumed, the router's pause is undone
+    (``previous``: paused and mode before this call) and the call fails naming each engine."""
+    engines = sorted({f.engine_id for f in state.dispatcher.in_flight.values()} - state.engines_frozen)
+    if not engines:
+        return
+    results = await call_engines(state, engines, "POST", ENGINE_PAUSE_PATH,
+                                 query={"mode": "keep", "clear_cache": "false"},
+                                 timeout=_quick_timeout(state.config))
+    frozen = {e for e, r in results.items() if _ok(r)}
+    failed = {e: r for e, r in results.items() if e not in frozen}
+    if not failed:
+        state.freeze_engines(frozen)
+        return
+    if frozen:
+        undone = await call_engines(state, sorted(frozen), "POST", ENGINE_RESUME_PATH,
+                                    timeout=_quick_timeout(state.config))
+        stuck = sorted(e for e, r in undone.items() if not _ok(r))
+        if stuck:
+            log.warning("engines frozen by a failed keep pause did not resume: %s", stuck)
+    was_paused, mode = previous
+    if was_paused and mode is not None:
+        state.pause(mode)
+    else:
+        state.resume(keep_engines_paused=True)
+    reasons = "; ".join(f"{e}: {_describe(r)}" for e, r in sorted(failed.items()))
+    raise UpstreamUnavailable(
+        f"mode=keep needs every engine with requests in flight to freeze them (vLLM's POST /pause?mode=keep, "
+        f"served with VLLM_SERVER_DEV_MODE=1); {len(failed)} of {len(engines)} did not: {reasons}. "
+        "Nothing was paused; use mode=wait or mode=abort with these engines",
+        code="engines_not_frozen",
+    )
+
+
+def _describe(result: Mapping[str, object]) -> str:
+    if "error" in result:
+        return str(result["error"])
+    body = result.get("body")
+    text = json.dumps(body) if not isinstance(body, str) else body
+    return f"status {result.get('status')}" + (f" {text[:200]}" if text else "")
+
+
 async def handle_pause(request: web.Request) -> web.Response:
     state = require_admin(request)
     mode = request.query.get("mode", "wait")
     if mode not in PAUSE_MODES:
         raise InvalidRequest(f"mode must be one of {list(PAUSE_MODES)}, got {mode!r}", param="mode")
     reset = _query_flag(request, "reset_prefix_cache", state.config.pause_resets_prefix_cache)
+    if mode == "keep" and reset:
+        # vLLM ignores clear_cache with keep: the frozen requests hold their blocks, and a reset
+        # would be refused while they do.
+        why = ("" if "reset_prefix_cache" in request.query
+               else " (it is on by default in this router's config, pause_resets_prefix_cache)")
+        raise InvalidRequest(
+            "mode=keep cannot reset prefix caches: the frozen requests keep their KV blocks, and vLLM "
+            f"refuses a reset while blocks are in use; pass reset_prefix_cache=false{why}",
+            param="reset_prefix_cache",
+        )
     # Pause before the reset (nothing new lands on a cache being cleared), abort before it too
     # (vLLM refuses to reset a cache whose blocks running requests hold).
+    previous = (state.runner.paused, state.pause_mode)
     state.pause(mode)
+    if mode == "keep":
+        await _freeze_in_flight(state, previous)
     aborted = await _abort_in_flight(state) if mode == "abort" else 0
     reset_results = await reset_prefix_caches(state) if reset else None
     log.info("router paused (mode %s, prefix cache reset: %s)", mode, reset)
@@ -240,7 +303,8 @@ async def handle_resume(request: web.Request) -> web.Response:
     if version is not None:
         state.record_weight_version(state.registry.owned_ids(), version, answered=False)
     if state.engines_paused:
-        # The engines an abort paused through vLLM's /pause schedule again before held work goes.
+        # The engines an abort paused or a keep froze through vLLM's /pause schedule again (the
+        # frozen requests first) before held work goes.
         resumed = await call_engines(state, sorted(state.engines_paused), "POST", ENGINE_RESUME_PATH,
                                      timeout=_quick_timeout(state.config))
         failed = {e: r for e, r in resumed.items() if not _ok(r)}

@@ -66,6 +66,7 @@ def merge_pause(results: list[dict[str, Any]]) -> dict[str, Any]:
     out["paused"] = all(bool(r.get("paused")) for r in results)
     for key in ("requests_in_flight", "held_requests", "aborted_requests"):
         out[key] = _sum(results, key)
+    out["frozen_engines"] = sorted({e for r in results for e in r.get("frozen_engines") or ()})
     out["prefix_cache_reset"] = _join(results, "prefix_cache_reset")
     return out
 

@@ -90,9 +90,12 @@ class RouterState:
         """The data plane's pooled connections to the engines (``upstream.py``)."""
         self.probe_session: aiohttp.ClientSession | None = None
         self.pause_mode: str | None = None
-        """``wait`` or ``abort`` while paused (``/admin/pause?mode=``)."""
+        """``wait``, ``abort`` or ``keep`` while paused (``/admin/pause?mode=``)."""
         self.engines_paused: set[str] = set()
         """Engines this router paused through vLLM's own ``/pause`` (resumed by ``resume``)."""
+        self.engines_frozen: set[str] = set()
+        """Of those, the engines a keep pause froze with requests in flight: their silence is expected
+        until the resume (``UpstreamPool.freeze``)."""
         self.weight_versions: dict[str, str | None] = {}
         """Weight version per engine as last recorded (``/admin/resume``, ``/admin/engines/call``)."""
         self._changed = asyncio.Event()
@@ -220,11 +223,24 @@ class RouterState:
         self.pause_mode = mode
         self._admission_changed()
 
-    def resume(self) -> None:
-        """Admit again; held work is re-checked at once."""
+    def freeze_engines(self, engines: set[str]) -> None:
+        """A keep pause froze these engines' requests: paused through vLLM, and silent by design."""
+        self.engines_paused |= engines
+        self.engines_frozen |= engines
+        if self.upstream_pool is not None:
+            self.upstream_pool.freeze(engines)
+
+    def resume(self, *, keep_engines_paused: bool = False) -> None:
+        """Admit again; held work is re-checked at once. The engines' own pauses are forgotten
+        (the admin API has resumed them) unless ``keep_engines_paused`` (an undone keep pause:
+        those of an earlier abort stay paused until the next resume)."""
         self.runner.paused = False
         self.pause_mode = None
-        self.engines_paused.clear()
+        if not keep_engines_paused:
+            self.engines_paused.clear()
+            self.engines_frozen.clear()
+            if self.upstream_pool is not None:
+                self.upstream_pool.thaw()
         self._admission_changed()
 
     def record_weight_version(self, engines: list[str], version: str, *, answered: bool) -> None:

@@ -145,7 +145,8 @@ class RouterStatus(BaseModel):
     model: str
     policy: str
     paused: bool
-    pause_mode: str | None = Field(None, description="How the router was paused: wait or abort; null when running.")
+    pause_mode: str | None = Field(
+        None, description="How the router was paused: wait, abort or keep; null when running.")
     ready: bool
     draining: bool
     healthy_engines: int

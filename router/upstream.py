@@ -33,7 +33,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import ssl
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -387,6 +387,8 @@ class UpstreamPool:
         self._ssl: ssl.SSLContext | None = None
         self._busy: set[_Connection] = set()
         """Connections with a request in progress (checked for the engine's silence by the sweep)."""
+        self._frozen: set[str] = set()
+        """Origin keys whose engines a keep pause froze: their silence is not a failure until ``thaw``."""
         first = SWEEP_INTERVAL_S if read_timeout_s is None else min(SWEEP_INTERVAL_S,
                                                                    read_timeout_s * SILENCE_CHECKS_PER_TIMEOUT)
         self._sweeper: asyncio.TimerHandle | None = self.loop.call_later(first, self._sweep)
@@ -422,6 +424,21 @@ class UpstreamPool:
         except BaseException:
             conn.abandon()
             raise
+
+    def freeze(self, urls: Iterable[str]) -> None:
+        """The engines at ``urls`` froze their requests (vLLM's keep pause): the sweep stops
+        counting their silence against ``read_timeout_s``."""
+        self._frozen.update(self.origin(u).key for u in urls)
+
+    def thaw(self) -> None:
+        """Every frozen engine goes on: their requests' silence counts again, from now."""
+        if not self._frozen:
+            return
+        now = self.loop.time()
+        for conn in self._busy:
+            if conn.origin.key in self._frozen:
+                conn._last_io = now
+        self._frozen.clear()
 
     async def close(self) -> None:
         """Close every connection (requests still running fail with ``ConnectionBroke``)."""
@@ -553,6 +570,8 @@ class UpstreamPool:
         interval = SWEEP_INTERVAL_S
         if timeout is not None:
             interval = min(interval, timeout * SILENCE_CHECKS_PER_TIMEOUT)
+            frozen = self._frozen
             for conn in list(self._busy):
-                conn.check_silence(now, timeout)
+                if not frozen or conn.origin.key not in frozen:
+                    conn.check_silence(now, timeout)
         self._sweeper = None if self._closed else self.loop.call_later(interval, self._sweep)

@@ -275,6 +275,8 @@ class EngineLoop:
         self._warned_at: float | None = None
         self._task: asyncio.Task[None] | None = None
         self._waiter: asyncio.Future[None] | None = None
+        self._frozen = False
+        """vLLM's keep pause: no step starts until ``thaw``; the requests stay where they are."""
         metrics.set_keep_up_source(self._keep_up_series)
 
     def now(self) -> float:
@@ -364,6 +366,37 @@ class EngineLoop:
         self._idle_check(now)
         self._wake()
 
+    # --- keep pause -----------------------------------------------------------------------
+
+    @property
+    def frozen(self) -> bool:
+        return self._frozen
+
+    def freeze(self) -> None:
+        """vLLM's ``/pause?mode=keep``: the steps already started run to their end and are
+        delivered; no step starts after that until ``thaw``, so running and waiting requests keep
+        their KV and their place. Frozen time is idle time, not busy (keep-up is not charged)."""
+        if self._frozen:
+            return
+        now = self.now()
+        self._bring_to(now, compute=True)
+        self._frozen = True
+        self.meter.stop(max(self._t, self.engine.clock), now)
+        self._wake()
+
+    def thaw(self) -> None:
+        """``/resume`` after a keep pause: the next step starts now."""
+        if not self._frozen:
+            return
+        self._frozen = False
+        now = self.now()
+        engine = self.engine
+        if engine.has_unfinished_requests():
+            self._t = max(self._t, engine.clock, now)
+            self._next_compute = min(self._next_compute, self._t)
+            self.meter.start(now)
+        self._wake()
+
     # --- advancing -----------------------------------------------------------------------
 
     def run_due(self) -> float | None:
@@ -375,7 +408,7 @@ class EngineLoop:
             self._check_keep_up(now)
         if self._due is not None:
             return self._due
-        if self.engine.has_unfinished_requests():
+        if self.engine.has_unfinished_requests() and not self._frozen:
             return max(self._next_compute, self._t)
         return None
 
@@ -391,7 +424,7 @@ class EngineLoop:
         if not engine.has_unfinished_requests():
             self._idle_check(now)
             return
-        if not compute and now < self._next_compute:
+        if self._frozen or (not compute and now < self._next_compute):
             return
         t = self._t if self._t > engine.clock else engine.clock
         if t >= now:

@@ -666,15 +666,17 @@ def _query_bool(request: web.Request, name: str, default: bool) -> bool:
 
 
 async def _pause_engine(state: ServerState, mode: str, clear_cache: bool) -> int:
-    """vLLM's ``pause_generation``: new work waits; in flight is aborted (``abort``) or awaited
-    (``wait``); then the prefix cache is cleared if asked. Returns the aborted children."""
+    """vLLM's ``pause_generation``: new work waits; in flight is aborted (``abort``), awaited
+    (``wait``) or frozen in place until ``/resume`` (``keep``); then the prefix cache is cleared if
+    asked (not with ``keep``, as in vLLM: the frozen requests hold their blocks). Returns the
+    aborted children."""
     if mode not in PAUSE_MODES:
         raise ApiError(f"mode must be one of {sorted(PAUSE_MODES)}, got {mode!r}", param="mode")
-    if mode == "keep":
-        # Freezing running requests mid-decode needs the engine model's help (not simulated).
-        raise ApiError("mode 'keep' is not simulated; use 'abort' or 'wait'", param="mode")
     state.paused = True
     state.running.clear()
+    if mode == "keep":
+        state.loop.freeze()
+        return 0
     aborted = 0
     if mode == "abort":
         aborted = _abort(state)
@@ -687,6 +689,7 @@ async def _pause_engine(state: ServerState, mode: str, clear_cache: bool) -> int
 
 def _resume_engine(state: ServerState) -> None:
     state.paused = False
+    state.loop.thaw()
     if not state.sleeping:
         state.running.set()
 
@@ -726,8 +729,13 @@ async def _sleep(request: web.Request) -> web.Response:
     if raw_level not in ("0", "1", "2"):
         raise ApiError(f"level must be 0, 1 or 2, got {raw_level!r}", param="level")
     level = int(raw_level)
+    mode = request.query.get("mode", "abort")
+    if mode == "keep" and level >= 1:
+        # Frozen requests hold their KV, which level >= 1 discards: only level 0 keeps them whole.
+        raise ApiError("mode 'keep' with sleep level 1 or 2 is not simulated (the frozen requests' KV "
+                       "would be discarded); use level 0, or mode 'abort' or 'wait'", param="mode")
     # vLLM's sleep pauses the scheduler first (mode as for /pause); level >= 1 discards the KV cache.
-    await _pause_engine(state, request.query.get("mode", "abort"), clear_cache=level >= 1)
+    await _pause_engine(state, mode, clear_cache=level >= 1)
     state.sleeping = True
     state.sleep_level = level
     return web.Response(status=200)

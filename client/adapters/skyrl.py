@@ -20,11 +20,12 @@ earlier commits such as 01dc9de used.)
   token ids, SkyRL's vLLM sampling params as completion fields, and ``return_token_ids``. A
   prompt with a session id is the next turn of that router session (class ``agentic`` by
   default; turns are counted in a bounded LRU). A prompt without one is a request of the
-  single-turn class (``rlvr`` by default). When a pause aborts a generation, the router
-  answers with the partial output and ``finish_reason: "abort"``. The client then sends the
-  request again as the session's next turn, with the output so far appended, so SkyRL gets
-  one whole response, as it would from vLLM's keep-mode pause.
-- Control: ``pause_generation`` / ``resume_generation`` use the router's pause and resume.
+  single-turn class (``rlvr`` by default). With ``pause_mode=abort``, when a pause aborts a
+  generation, the router answers with the partial output and ``finish_reason: "abort"``. The
+  client then sends the request again as the session's next turn, with the output so far
+  appended, so SkyRL gets one whole response, as it would from vLLM's keep-mode pause.
+- Control: ``pause_generation`` / ``resume_generation`` use the router's pause and resume
+  (vLLM's keep mode, SkyRL's own, by default).
   Sleep, wake-up and prefix-cache resets use its engine fan-out. Weight-sync calls whose body
   is the same for every engine (checkpoint-delta ``/fetch_weights``, ``/update_weights``, the
   ``/collective_rpc`` start/finish, LoRA loads from disk) use its pass-through.
@@ -327,15 +328,17 @@ def _flat_query(req: ControlRequest) -> dict[str, str]:
     return out
 
 
-def control_actions(req: ControlRequest, pause_mode: PauseMode = PauseMode.ABORT) -> tuple[AdminAction, ...]:
+def control_actions(req: ControlRequest, pause_mode: PauseMode = PauseMode.KEEP) -> tuple[AdminAction, ...]:
     """What the router's admin API does, in order, for one of SkyRL's control calls. Raises
     ``NotRoutable`` for a call the router cannot carry. ``pause_mode`` is the router pause used
-    in place of vLLM's keep mode, which the router does not have."""
+    for SkyRL's keep-mode pause: keep itself by default."""
     path, body, query = req.endpoint, req.json, _flat_query(req)
     if path == "/pause":
-        mode = query.get("mode", "keep")
-        return (PauseAction(pause_mode if mode == "keep" else PauseMode(mode),
-                            reset_prefix_cache=query.get("clear_cache", "false") == "true"),)
+        mode = PauseMode(pause_mode if query.get("mode", "keep") == "keep" else query["mode"])
+        # vLLM ignores clear_cache with keep (the frozen requests hold their blocks), and so does
+        # the router's keep pause, which refuses a reset outright.
+        clear = query.get("clear_cache", "false") == "true" and mode != PauseMode.KEEP
+        return (PauseAction(mode, reset_prefix_cache=clear),)
     if path == "/resume":
         return (ResumeAction(reset_prefix_cache=False),)
     if path in ("/sleep", "/wake_up"):
@@ -404,9 +407,11 @@ class RouterInferenceClient:
     the control calls. ``model_name``: the served model name (SkyRL's ``served_model_name`` or
     model path). ``rollout_class``: the class of prompts that carry a session id.
     ``single_turn_class``: the class of prompts without one. ``pause_mode``: the router pause
-    used for vLLM's keep mode. With ``abort`` (the default), in-flight generations end
-    now and are sent again after the resume, so the sync does not wait for stragglers and SkyRL
-    still gets whole responses. With ``wait``, they finish under the old weights, and
+    used for SkyRL's keep-mode pause. With ``keep`` (the default), in-flight generations freeze
+    on their engines and go on after the resume, as with SkyRL's own servers (the engines need
+    vLLM's ``/pause``, served with ``VLLM_SERVER_DEV_MODE=1``, as SkyRL's do). With ``abort``,
+    they end now and are sent again after the resume, so the sync does not wait for stragglers
+    and SkyRL still gets whole responses. With ``wait``, they finish under the old weights, and
     ``pause_generation`` returns once none is left. ``data_parallel_size`` and
     ``uses_lora_weight_sync``: as in SkyRL's client.
 
@@ -422,7 +427,7 @@ class RouterInferenceClient:
         model_name: str,
         rollout_class: str = DEFAULT_ROLLOUT_CLASS,
         single_turn_class: str = DEFAULT_SINGLE_TURN_CLASS,
-        pause_mode: PauseMode = PauseMode.ABORT,
+        pause_mode: PauseMode = PauseMode.KEEP,
         data_parallel_size: int = 1,
         uses_lora_weight_sync: bool = False,
         retry: HoldRetry | None = None,
@@ -600,8 +605,8 @@ class RouterInferenceClient:
         return per_engine(f"{call.method} {call.path}", self.admin.engine_call(call, weight_version=weight_version))
 
     async def pause_generation(self, clear_cache: bool = False) -> PauseResult:
-        """Hold new generation at the router. In-flight generations are aborted, to be sent again
-        after the resume, or waited for (``pause_mode``)."""
+        """Hold new generation at the router. In-flight generations freeze until the resume, or
+        are aborted to be sent again after it, or are waited for (``pause_mode``)."""
         result: PauseResult = await self._control(pause_request("keep", clear_cache))
         return result
 

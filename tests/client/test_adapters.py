@@ -453,10 +453,14 @@ def test_skyrl_control_calls_map_to_the_admin_api() -> None:
             actions[name] = control_actions(req)
         except NotRoutable as exc:
             actions[name] = exc
-    # vLLM's keep-mode pause has no router equivalent: abort (resubmitted by generate) or wait.
-    assert actions["pause_generation()"] == (PauseAction(PauseMode.ABORT, reset_prefix_cache=False),)
+    # vLLM's keep-mode pause is the router's keep pause, or a stand-in: abort (resubmitted by
+    # generate) or wait. clear_cache goes with a stand-in only (vLLM ignores it with keep).
+    assert actions["pause_generation()"] == (PauseAction(PauseMode.KEEP, reset_prefix_cache=False),)
+    assert control_actions(pause_request(clear_cache=True)) == (PauseAction(PauseMode.KEEP, reset_prefix_cache=False),)
     assert control_actions(requests["pause_generation()"], PauseMode.WAIT) == (
         PauseAction(PauseMode.WAIT, reset_prefix_cache=False),)
+    assert control_actions(pause_request(clear_cache=True), PauseMode.ABORT) == (
+        PauseAction(PauseMode.ABORT, reset_prefix_cache=True),)
     assert control_actions(pause_request("abort", clear_cache=True), PauseMode.WAIT) == (
         PauseAction(PauseMode.ABORT, reset_prefix_cache=True),)
     assert actions["resume_generation()"] == (ResumeAction(reset_prefix_cache=False),)
@@ -553,9 +557,33 @@ LONG_SKYRL = 400
 """Tokens of a generation still running when the test pauses (about a second at time scale 1)."""
 
 
-async def test_skyrl_pause_aborts_and_generate_resubmits_one_whole_response(sim_pool: PoolFactory) -> None:
+async def test_skyrl_pause_keeps_a_generation_frozen_until_the_resume(sim_pool: PoolFactory) -> None:
     pool = await sim_pool(time_scale=1.0)
     client = RouterInferenceClient(pool.url, TOKEN, model_name=pool.model)
+    params = {**SKYRL_LIVE_PARAMS, "max_tokens": LONG_SKYRL, "ignore_eos": True}
+    try:
+        rollout = asyncio.create_task(client.generate(
+            {"prompt_token_ids": [list(range(5, 50))], "session_ids": ["gsm8k-3_1"], "sampling_params": params}))
+        await pool.wait(lambda: len(pool.state.dispatcher.in_flight) == 1)
+        paused = await client.pause_generation()
+        (engine,) = {f.engine_id for f in pool.state.dispatcher.in_flight.values()}
+        assert paused.paused and paused.mode == "keep" and paused.aborted_requests == 0
+        assert paused.frozen_engines == [engine] and paused.requests_in_flight == 1
+        frozen = next(s.app[SIM_STATE] for s in pool.sims if s.base_url == engine)
+        assert frozen.loop.frozen
+        assert not rollout.done()
+        resumed = await client.resume_generation()
+        assert not resumed.paused and not frozen.loop.frozen
+        out = await rollout
+        assert len(out["response_ids"][0]) == LONG_SKYRL and out["stop_reasons"] == ["length"]
+        assert client.turns("gsm8k-3_1") == 1  # one request, frozen and thawed: nothing sent again
+    finally:
+        await client.teardown()
+
+
+async def test_skyrl_pause_aborts_and_generate_resubmits_one_whole_response(sim_pool: PoolFactory) -> None:
+    pool = await sim_pool(time_scale=1.0)
+    client = RouterInferenceClient(pool.url, TOKEN, model_name=pool.model, pause_mode=PauseMode.ABORT)
     params = {**SKYRL_LIVE_PARAMS, "max_tokens": LONG_SKYRL, "ignore_eos": True}
     try:
         rollout = asyncio.create_task(client.generate(

@@ -755,6 +755,77 @@ async def test_hot_reload_of_admission_settings_keeps_open_streams(
         record_figure("policy_rebuilt", answer["policy_rebuilt"])
 
 
+# ----------------------------------------------------------------------------- keep pause
+
+KEEP_STREAMS = 4
+KEEP_OUTPUT = 600
+
+
+@pytest.mark.e2e
+async def test_a_keep_pause_freezes_streams_on_real_vllm_and_the_resume_finishes_them(
+    vllm_base_urls: list[str], http: aiohttp.ClientSession, record_figure: Callable[[str, object], None]
+) -> None:
+    """``/admin/pause?mode=keep`` through vLLM's own ``/pause?mode=keep``: the engines serving a
+    stream report themselves paused, nothing is aborted, and after the resume every stream ends
+    with all its tokens."""
+    async with running_router(router_config(vllm_base_urls)) as router:
+        client = router.openai()
+
+        async def stream(i: int) -> tuple[list[str | None], int]:
+            s = await client.completions.create(
+                model=MODEL, prompt=_ids(3000 + i, 100), max_tokens=KEEP_OUTPUT, temperature=0.0,
+                stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+                extra_headers={"X-Rollout-Class": "rlvr", "X-Session-Id": f"keep-{i}"},
+            )  # fmt: skip
+            reasons: list[str | None] = []
+            usage = 0
+            async for chunk in s:
+                reasons += [c.finish_reason for c in chunk.choices if c.finish_reason]
+                if chunk.usage is not None:
+                    usage = chunk.usage.completion_tokens
+            return reasons, usage
+
+        tasks = [asyncio.create_task(stream(i)) for i in range(KEEP_STREAMS)]
+        headers = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+        try:
+            state = router.app[STATE]
+            try:
+                await state.wait_until(lambda: len(state.dispatcher.in_flight) >= 2, 60.0)
+            except TimeoutError:
+                pytest.fail(f"streams not open: {await _status_brief(router)}", pytrace=False)
+            async with http.post(f"{router.url}/admin/pause", params={"mode": "keep", "reset_prefix_cache": "false"},
+                                 headers=headers) as resp:
+                assert resp.status == 200, await resp.text()
+                paused = await resp.json()
+            frozen = paused["frozen_engines"]
+            engines_paused = {}
+            for url in vllm_base_urls:
+                async with http.get(f"{url}/is_paused") as resp:
+                    engines_paused[url] = (await resp.json())["is_paused"]
+            async with http.post(f"{router.url}/admin/resume", headers=headers) as resp:
+                assert resp.status == 200, await resp.text()
+                resumed = await resp.json()
+            async with asyncio.timeout(300):
+                results = await asyncio.gather(*tasks)
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        assert paused["mode"] == "keep" and paused["aborted_requests"] == 0 and paused["requests_in_flight"] >= 2
+        assert frozen and set(frozen) <= set(vllm_base_urls)
+        assert all(engines_paused[u] for u in frozen), engines_paused  # vLLM's own word
+        assert resumed["paused"] is False and resumed["frozen_engines"] == []
+        for url in vllm_base_urls:
+            async with http.get(f"{url}/is_paused") as resp:
+                assert (await resp.json())["is_paused"] is False
+        # Every stream ran to its end: nothing aborted, every token there.
+        assert results == [(["length"], KEEP_OUTPUT)] * KEEP_STREAMS
+        await wait_drained(router)
+        assert await router.metric_sum("misat_requests_total", outcome="ok") == KEEP_STREAMS
+        record_figure("in_flight_at_keep_pause", paused["requests_in_flight"])
+        record_figure("frozen_engines", len(frozen))
+
+
 # ----------------------------------------------------------------------------- engine killed (last)
 
 KILL_STREAMS = 6

@@ -66,7 +66,7 @@ async def test_pause_abort_returns_partial_output_then_resume_records_the_versio
             assert resp.status == 200
             body = await resp.json()
         assert body == {"paused": True, "mode": "abort", "requests_in_flight": 0, "held_requests": 0,
-                        "aborted_requests": 1, "prefix_cache_reset": None}
+                        "aborted_requests": 1, "frozen_engines": [], "prefix_cache_reset": None}
         answer = await asyncio.wait_for(gen, WAIT_S)
         out = await answer.json()
         answer.release()
@@ -170,6 +170,133 @@ async def test_pause_wait_lets_in_flight_finish(make) -> None:
         await r.wait(lambda: _drained(r.state))
     finally:
         await fake.close()
+
+
+def _stream_events(raw: str) -> list[dict]:
+    return [json.loads(e[6:]) for e in raw.split("\n\n") if e.startswith("data: {")]
+
+
+async def test_pause_keep_freezes_a_stream_in_place_and_the_resume_lets_it_finish(sims, make) -> None:
+    r = await make([sims[0].base_url])
+    sim = sims[0].app[SIM_STATE]
+    async with aiohttp.ClientSession() as http:
+        resp = await http.post(r.url + "/v1/completions", headers=RLVR,
+                               json={**LONG, "stream": True, "stream_options": {"include_usage": True}})
+        await r.wait(lambda: len(r.state.dispatcher.in_flight) == 1)
+        await _generating(sims[0])
+        async with http.post(r.url + "/admin/pause", params={"mode": "keep"}, headers=AUTH) as p:
+            assert p.status == 200
+            body = await p.json()
+        assert body == {"paused": True, "mode": "keep", "requests_in_flight": 1, "held_requests": 0,
+                        "aborted_requests": 0, "frozen_engines": [sims[0].base_url], "prefix_cache_reset": None}
+        assert sim.paused and sim.loop.frozen
+        (child,) = sim.live.values()
+        frozen_req = sim.engine.get_request(child.request_id)
+        assert frozen_req is not None and 0 < frozen_req.num_output_tokens < LONG["max_tokens"]
+        status = await (await http.get(r.url + "/status")).json()
+        assert status["paused"] is True and status["pause_mode"] == "keep"
+
+        # The frozen engine's silence is expected: the sweep lets it be however long it lasts.
+        pool = r.state.upstream_pool
+        assert pool is not None
+        (conn,) = pool._busy
+        conn._last_io = pool.loop.time() - 10 * r.state.config.upstream_timeout_s
+        pool._sweep()
+        assert len(r.state.dispatcher.in_flight) == 1 and conn._error is None
+
+        # New work is held at the router meanwhile.
+        held = asyncio.create_task(http.post(r.url + "/v1/completions", headers=RLVR,
+                                             json={"model": MODEL, "prompt": [9], "max_tokens": 2}))
+        await r.wait(lambda: r.state.runner.held_count() == 1)
+
+        async with http.post(r.url + "/admin/resume", headers=AUTH) as p:
+            resumed = await p.json()
+        assert resumed["paused"] is False and resumed["mode"] == "keep" and resumed["frozen_engines"] == []
+        assert not sim.loop.frozen and not sim.paused
+        # Thawed: its silence counts again, from the resume.
+        assert pool.loop.time() - conn._last_io < r.state.config.upstream_timeout_s
+        raw = (await asyncio.wait_for(resp.read(), WAIT_S)).decode()
+        resp.release()
+        answer = await asyncio.wait_for(held, WAIT_S)
+        assert answer.status == 200
+        answer.release()
+    events = _stream_events(raw)
+    # The whole generation, no abort: the frozen request went on where it stopped.
+    assert [c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]] == ["length"]
+    assert events[-1]["usage"]["completion_tokens"] == LONG["max_tokens"] and raw.endswith("data: [DONE]\n\n")
+    assert sim.engine.counters.num_preemptions == 0
+    await r.wait(lambda: _drained(r.state))
+
+
+async def test_a_keep_pause_an_engine_cannot_take_is_undone_and_named(make) -> None:
+    fake = FakeEngine("a", wait_s=WAIT_S)  # no /pause: vLLM without VLLM_SERVER_DEV_MODE answers 404
+    await fake.start()
+    try:
+        r = await make([fake.url])
+        fake.mid_stream_gate = asyncio.Event()
+        async with aiohttp.ClientSession() as http:
+            stream, _first = await open_parked_stream(http, r.url)
+            await r.wait(lambda: len(r.state.dispatcher.in_flight) == 1)
+            async with http.post(r.url + "/admin/pause", params={"mode": "keep"}, headers=AUTH) as p:
+                assert p.status == 502
+                err = (await p.json())["error"]
+            assert err["code"] == "engines_not_frozen" and fake.url in err["message"]
+            assert "status 404" in err["message"] and "Nothing was paused" in err["message"]
+            status = await (await http.get(r.url + "/status")).json()
+            assert status["paused"] is False and status["pause_mode"] is None
+            assert not r.state.engines_frozen and not r.state.engines_paused
+            # New work is admitted as before, and the request in flight was left alone.
+            async with http.post(r.url + "/v1/completions", headers=RLVR,
+                                 json={"model": MODEL, "prompt": [9], "max_tokens": 2}) as ok:
+                assert ok.status == 200
+            fake.mid_stream_gate.set()
+            raw = (await asyncio.wait_for(stream.read(), WAIT_S)).decode()
+            stream.release()
+        assert '"finish_reason": "abort"' not in raw and raw.endswith("data: [DONE]\n\n")
+        await r.wait(lambda: _drained(r.state))
+    finally:
+        if fake.mid_stream_gate is not None:
+            fake.mid_stream_gate.set()
+        await fake.close()
+
+
+async def test_an_earlier_pause_stays_when_a_keep_pause_is_undone(make) -> None:
+    fake = FakeEngine("a", wait_s=WAIT_S)
+    await fake.start()
+    try:
+        r = await make([fake.url])
+        fake.mid_stream_gate = asyncio.Event()
+        async with aiohttp.ClientSession() as http:
+            stream, _first = await open_parked_stream(http, r.url)
+            await r.wait(lambda: len(r.state.dispatcher.in_flight) == 1)
+            async with http.post(r.url + "/admin/pause", params={"mode": "wait"}, headers=AUTH) as p:
+                assert p.status == 200
+            async with http.post(r.url + "/admin/pause", params={"mode": "keep"}, headers=AUTH) as p:
+                assert p.status == 502
+            status = await (await http.get(r.url + "/status")).json()
+            assert status["paused"] is True and status["pause_mode"] == "wait"
+            fake.mid_stream_gate.set()
+            await asyncio.wait_for(stream.read(), WAIT_S)
+            stream.release()
+    finally:
+        if fake.mid_stream_gate is not None:
+            fake.mid_stream_gate.set()
+        await fake.close()
+
+
+async def test_a_keep_pause_refuses_a_prefix_cache_reset(sims, make_router) -> None:
+    r = await make_router([sims[0].base_url], admin_token=TOKEN, pause_resets_prefix_cache=True)
+    async with aiohttp.ClientSession() as http:
+        for params, hint in (({"mode": "keep"}, True), ({"mode": "keep", "reset_prefix_cache": "true"}, False)):
+            async with http.post(r.url + "/admin/pause", params=params, headers=AUTH) as p:
+                assert p.status == 400
+                err = (await p.json())["error"]
+            assert err["param"] == "reset_prefix_cache" and "reset_prefix_cache=false" in err["message"]
+            assert ("pause_resets_prefix_cache" in err["message"]) is hint
+        assert r.state.runner.paused is False
+        async with http.post(r.url + "/admin/pause", params={"mode": "keep", "reset_prefix_cache": "false"},
+                             headers=AUTH) as p:
+            assert p.status == 200 and (await p.json())["frozen_engines"] == []  # nothing in flight to freeze
 
 
 async def test_engine_ops_fan_out_and_the_call_passes_through(sims, make) -> None:

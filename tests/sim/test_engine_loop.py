@@ -250,6 +250,59 @@ def test_an_idle_loop_has_nothing_to_wake_for() -> None:
     assert loop.engine.counters.request_success["abort"] == 1
 
 
+def test_a_keep_pause_freezes_requests_in_place_and_they_go_on_after_the_thaw() -> None:
+    clock = FakeClock()
+    loop = make_loop(clock)
+    d = Driver(loop, clock)
+    d.streams["long"] = loop.submit("long", list(range(3, 40)), 150, ignore_eos=True, sample_seed=None,
+                                    greedy=False, stream=True)
+    d.run_until(0.3)
+    loop.freeze()
+    frozen_at = loop.now()
+    # The step started before the freeze runs to its end and is delivered; then no wake is due,
+    # however much time passes, and nothing moves.
+    d.run_until(frozen_at + 0.1)
+    req = loop.engine.get_request("long")
+    assert req is not None and 0 < req.num_output_tokens < 150
+    assert loop.engine.clock < frozen_at + 0.1
+    produced, blocks = req.num_output_tokens, loop.engine.scheduler.pool.num_free_blocks
+    assert loop.run_due() is None
+    clock.t += 30.0
+    assert loop.run_due() is None
+    d.drain()
+    assert req.num_output_tokens == produced and loop.engine.scheduler.pool.num_free_blocks == blocks
+    assert len(d.seen.tokens["long"]) == produced
+    k = loop.keep_up()
+    assert not k.busy  # frozen time is not charged as time the engine fell behind
+    loop.thaw()
+    thawed_at = loop.now()
+    while d.streams:
+        d.run_until(loop.now() + 1.0)
+    done = next(f for f in d.seen.finished if f.request_id == "long")
+    # Every token, in order, the ones after the freeze produced after the thaw; KV kept (no
+    # recompute: the request was never preempted).
+    assert d.seen.tokens["long"] == done.output_token_ids and len(done.output_token_ids) == 150
+    assert done.num_preemptions == 0 and done.finish_reason == "length"
+    assert all(t >= thawed_at for t in d.seen.delivered["long"][produced:])
+    assert done.finish_time is not None and done.finish_time > thawed_at > frozen_at + 29.0
+    assert loop.meter.skipped_s == 0.0
+
+
+def test_an_abort_while_frozen_frees_the_request() -> None:
+    clock = FakeClock()
+    loop = make_loop(clock)
+    d = Driver(loop, clock)
+    d.streams["a"] = loop.submit("a", [5, 6, 7], 100, ignore_eos=True, sample_seed=None, greedy=False)
+    d.run_until(0.2)
+    loop.freeze()
+    free = loop.engine.scheduler.pool.num_free_blocks
+    loop.abort("a")
+    assert not loop.engine.has_unfinished_requests() and loop.engine.scheduler.pool.num_free_blocks > free
+    loop.thaw()
+    d.run_until(loop.now() + 1.0)  # the step in flight at the freeze is delivered; then nothing
+    assert loop.run_due() is None and not loop.streams
+
+
 # --- keep-up ---------------------------------------------------------------------------------
 
 
