@@ -7,13 +7,16 @@ the router's OpenAI-style error fields.
 The weight-update sequence (``update_weights``), for a trainer that owns the pool:
 
 1. ``pause(mode)``: new work is held; ``abort`` also ends the requests in flight (they answer
-   ``finish_reason: "abort"`` with their partial output), ``wait`` lets them finish;
-2. wait until the router reports no request in flight (bounded);
+   ``finish_reason: "abort"`` with their partial output), ``wait`` lets them finish, ``keep``
+   freezes them on their engines;
+2. wait until the router reports no request in flight (bounded; not after ``keep``, whose
+   frozen requests stay in flight);
 3. each framework call (e.g. ``/areal_update_weights``) passed through to every engine
    (``POST /admin/engines/call``); if any engine refuses, the router stays paused and
    ``WeightUpdateFailed`` says which (no rollout runs on a pool of mixed weights);
 4. ``resume(reset_prefix_cache=True, weight_version=v)``: KV computed with the old weights is
-   dropped, the version is recorded for every engine, held work is released.
+   dropped (after ``keep``, the frozen requests' too: they recompute it under the new weights),
+   the version is recorded for every engine, held work is released.
 
 ``AdminClient`` is async (aiohttp), ``SyncAdminClient`` sync (standard library); both build
 their requests with the same functions below.
@@ -195,7 +198,7 @@ class AdminClient:
     ) -> WeightUpdateResult:
         """The weight-update sequence of the module docstring."""
         paused = await self.pause(mode)
-        if paused.requests_in_flight:
+        if paused.requests_in_flight and PauseMode(mode) != PauseMode.KEEP:
             await self.wait_idle(idle_timeout_s)
         results = []
         for call in calls:
@@ -263,7 +266,7 @@ class SyncAdminClient:
         idle_timeout_s: float = IDLE_TIMEOUT_S,
     ) -> WeightUpdateResult:
         paused = self.pause(mode)
-        if paused.requests_in_flight:
+        if paused.requests_in_flight and PauseMode(mode) != PauseMode.KEEP:
             self.wait_idle(idle_timeout_s)
         results = []
         for call in calls:

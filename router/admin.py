@@ -80,8 +80,11 @@ def _query_flag(request: web.Request, name: str, default: bool) -> bool:
     raise InvalidRequest(f"{name} must be true or false", param=name)
 
 
-async def reset_prefix_caches(state: RouterState) -> dict[str, str]:
-    """POST /reset_prefix_cache on every healthy engine; returns a result per engine."""
+async def reset_prefix_caches(state: RouterState, *, reset_running: bool = False) -> dict[str, str]:
+    """POST /reset_prefix_cache on every healthy engine; returns a result per engine.
+    ``reset_running``: with vLLM's ``reset_running_requests=true``, which preempts the running
+    requests first (the frozen ones of a keep pause: their KV is the old weights'), so that the
+    reset is not refused for the blocks they hold."""
     cfg = state.config
     # A control call, bounded like a scrape: a stalled engine must not hang pause/resume
     # for upstream_timeout_s (an hour by default, sized for long generations).
@@ -89,12 +92,17 @@ async def reset_prefix_caches(state: RouterState) -> dict[str, str]:
         total=cfg.scrape_timeout_s, connect=cfg.upstream_connect_timeout_s
     )
 
+    params = {"reset_running_requests": "true"} if reset_running else None
+
     async def one(engine: str) -> str:
         try:
-            async with state.session().post(engine + RESET_PREFIX_CACHE_PATH, timeout=timeout) as r:
-                return "ok" if r.status == 200 else f"status {r.status}"
+            async with state.session().post(engine + RESET_PREFIX_CACHE_PATH, params=params, timeout=timeout) as r:
+                if r.status != 200:
+                    return f"status {r.status}"
+                text = await r.text(errors="replace")
         except (aiohttp.ClientError, TimeoutError) as exc:
             return f"failed: {type(exc).__name__}"
+        return "refused" if _reset_refused(text) else "ok"
 
     # Owned only: an engine being handed back is reset by its owner (every shard gets the call).
     # Health as the checks see it: an engine held since a restart is reset too.
@@ -102,6 +110,16 @@ async def reset_prefix_caches(state: RouterState) -> dict[str, str]:
     results = await asyncio.gather(*(one(e) for e in engines))
     state.prefix_caches_reset()
     return dict(zip(engines, results, strict=True))
+
+
+def _reset_refused(body: str) -> bool:
+    """vLLM answers a reset 200 either way; recent releases say ``{"success": false}`` when it was
+    refused (blocks in use). Older ones send no body: taken as done, as they give no other sign."""
+    try:
+        parsed = json.loads(body) if body else None
+    except (ValueError, RecursionError):
+        return False
+    return isinstance(parsed, dict) and parsed.get("success") is False
 
 
 async def handle_put_config(request: web.Request) -> web.Response:
@@ -299,7 +317,9 @@ async def handle_resume(request: web.Request) -> web.Response:
     if version is not None and not version.strip():
         raise InvalidRequest("weight_version must not be empty", param="weight_version")
     mode = state.pause_mode
-    reset_results = await reset_prefix_caches(state) if reset else None
+    # After a keep pause the frozen requests hold KV of the old weights: they are reset too, and
+    # recompute it under the new ones once resumed (vLLM's reset_running_requests).
+    reset_results = await reset_prefix_caches(state, reset_running=bool(state.engines_frozen)) if reset else None
     if version is not None:
         state.record_weight_version(state.registry.owned_ids(), version, answered=False)
     if state.engines_paused:

@@ -241,8 +241,12 @@ class SimEngine:
         """Share of KV blocks in use, 0..1 (``vllm:kv_cache_usage_perc``)."""
         return self.scheduler.pool.usage()
 
-    def reset_prefix_cache(self) -> bool:
-        """Drop all cached blocks; False while any block is in use (vLLM's rule)."""
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Drop all cached blocks; False while any block is in use (vLLM's rule). With
+        ``reset_running_requests`` every running request is preempted first (counted as a
+        preemption, as vLLM does), so their blocks are free and the reset goes through."""
+        if reset_running_requests:
+            self.counters.num_preemptions += self.scheduler.preempt_running()
         return self.scheduler.pool.reset_prefix_cache()
 
     # --- time ----------------------------------------------------------------

@@ -366,6 +366,14 @@ class EngineLoop:
         self._idle_check(now)
         self._wake()
 
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """vLLM's ``/reset_prefix_cache`` at modelled time ``now``, between steps: the steps that
+        started before now are run first (as for an abort)."""
+        self._bring_to(self.now(), compute=True)
+        ok = self.engine.reset_prefix_cache(reset_running_requests)
+        self._wake()
+        return ok
+
     # --- keep pause -----------------------------------------------------------------------
 
     @property

@@ -146,6 +146,16 @@ class Scheduler:
         self.kv.free(req)
         req.status = RequestStatus.FINISHED
 
+    def preempt_running(self) -> int:
+        """Preempt every running request between steps (vLLM's ``reset_prefix_cache`` with
+        ``reset_running_requests``): last first, so they go back to the head of the waiting
+        queue in their running order and recompute from scratch. Returns how many."""
+        running = self.running
+        n = len(running)
+        while running:
+            self._preempt(running.pop())
+        return n
+
     def _preempt(self, req: SimRequest) -> None:
         if req._bg >= 0:
             self._delazify(req)
@@ -153,6 +163,9 @@ class Scheduler:
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
         req._comp = 0
+        # Its heap entries die with its run (run_seq); forget the finish step too, or a rerun that
+        # recomputes in one step (same finish step) would not queue its finish again and never end.
+        req._fin = -1
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)

@@ -278,9 +278,12 @@ async def _keep_up(request: web.Request) -> web.Response:
 
 
 async def _reset_prefix_cache(request: web.Request) -> web.Response:
-    ok = request.app[STATE].engine.reset_prefix_cache()
-    # vLLM answers 200 either way (a refused reset is only logged); the header tells which.
-    return web.Response(status=200, headers={"X-Prefix-Cache-Reset": "true" if ok else "false"})
+    # vLLM reads reset_running_requests from the query (SkyRL's server from the body: not served here).
+    running = _query_bool(request, "reset_running_requests", False)
+    ok = request.app[STATE].loop.reset_prefix_cache(running)
+    # vLLM answers 200 either way, with {"success": ...} (0.32; older releases send no body); the
+    # header says the same for clients that read no body.
+    return web.json_response({"success": ok}, headers={"X-Prefix-Cache-Reset": "true" if ok else "false"})
 
 
 async def _tokenize(request: web.Request) -> web.Response:

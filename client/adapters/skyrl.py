@@ -346,8 +346,10 @@ def control_actions(req: ControlRequest, pause_mode: PauseMode = PauseMode.KEEP)
     if path == "/reset_prefix_cache":
         if isinstance(body, Mapping) and body.get("reset_running_requests"):
             # SkyRL's server reads the flag from the body, which the fan-out op does not send; the
-            # pass-through does, and resets the router's prefix index as the op does.
-            return (PassThroughAction(EngineCall(path, dict(body), req.method, query)),)
+            # pass-through does, and resets the router's prefix index as the op does. Stock vLLM
+            # reads it from the query, so it goes there too.
+            return (PassThroughAction(EngineCall(path, dict(body), req.method,
+                                                 {**query, "reset_running_requests": "true"})),)
         return (FanOutAction(EngineOp.RESET_PREFIX_CACHE, query),)
     if path == "/collective_rpc" and isinstance(body, Mapping) and body.get("method") == "update_weights_ipc":
         raise NotRoutable("update_weights_ipc: CUDA IPC handles open only on the GPUs of the process that made "

@@ -469,8 +469,10 @@ def test_skyrl_control_calls_map_to_the_admin_api() -> None:
     assert actions["wake_up()"] == (FanOutAction(EngineOp.WAKE_UP, {}),)
     assert actions["wake_up(tags=['kv_cache'])"] == (FanOutAction(EngineOp.WAKE_UP, {"tags": "kv_cache"}),)
     assert actions["reset_prefix_cache()"] == (FanOutAction(EngineOp.RESET_PREFIX_CACHE, {}),)
+    # The flag in the body for SkyRL's server, in the query for stock vLLM.
     assert actions["reset_prefix_cache(reset_running_requests=True)"] == (
-        PassThroughAction(EngineCall("/reset_prefix_cache", {"reset_running_requests": True})),)
+        PassThroughAction(EngineCall("/reset_prefix_cache", {"reset_running_requests": True},
+                                     query={"reset_running_requests": "true"})),)
     passed = ["fetch_weights(3, sync_dir, uri)", "start_weight_update()", "update_named_weights(update_info)",
               "update_weights_nccl(update_info)", "finish_weight_update()", "sleep_for_weight_sync()",
               "wake_for_weight_sync(['weights'])", "load_lora_adapter('skyrl-lora', '/ckpt/lora')", "get_world_size()"]

@@ -20,6 +20,7 @@ from misat_client import (
     SyncAdminClient,
     WeightUpdateFailed,
 )
+from misat_sim.server import STATE as SIM_STATE
 
 from .conftest import TOKEN, PoolFactory
 
@@ -92,6 +93,28 @@ async def test_the_weight_update_sequence(sim_pool: PoolFactory) -> None:
             await admin.update_weights([EngineCall("/areal_update_weights", {})], version="10")
         assert (await admin.status()).paused  # no rollout runs on a pool of mixed weights
         await admin.resume()
+
+
+async def test_the_weight_update_sequence_with_a_keep_pause(sim_pool: PoolFactory) -> None:
+    pool = await sim_pool(time_scale=1.0)
+    async with AdminClient(pool.url, TOKEN) as admin, aiohttp.ClientSession() as http:
+        gen = asyncio.create_task(http.post(pool.url + "/v1/completions", headers={"X-Rollout-Class": "rlvr"},
+                                            json={"model": pool.model, "prompt": [5, 6, 7], "max_tokens": 400,
+                                                  "ignore_eos": True}))
+        await pool.wait(lambda: len(pool.state.dispatcher.in_flight) == 1)
+        (engine,) = {f.engine_id for f in pool.state.dispatcher.in_flight.values()}
+        done = await admin.update_weights([EngineCall("/update_weight_version", {"new_version": "9"})],
+                                          version="9", mode=PauseMode.KEEP)
+        # Frozen, not waited for: the update ran with the request still in flight.
+        assert done.pause.mode == "keep" and done.pause.frozen_engines == [engine]
+        assert done.pause.requests_in_flight == 1 and done.calls[0].ok
+        assert done.resume.prefix_cache_reset == dict.fromkeys(pool.engine_urls, "ok")
+        resp = await gen
+        out = await resp.json()
+    assert out["usage"]["completion_tokens"] == 400 and out["choices"][0]["finish_reason"] == "length"
+    sim = next(s.app[SIM_STATE] for s in pool.sims if s.base_url == engine)
+    assert sim.engine.counters.num_preemptions == 1  # its KV of the old weights recomputed
+    assert sim.weight_version == "9"
 
 
 async def test_refusals_are_typed_errors(sim_pool: PoolFactory) -> None:

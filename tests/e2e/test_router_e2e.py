@@ -248,6 +248,11 @@ async def running_router(config: RouterConfig) -> AsyncIterator[Router]:
         await service.stop()
 
 
+async def _true(value: bool) -> bool:
+    """``value`` as the awaitable ``poll_until`` checks."""
+    return value
+
+
 async def _status_brief(router: Router) -> str:
     st = await router.status()
     keys = ("generation", "healthy_engines", "requests_in_flight", "held_requests")
@@ -766,10 +771,13 @@ async def test_a_keep_pause_freezes_streams_on_real_vllm_and_the_resume_finishes
     vllm_base_urls: list[str], http: aiohttp.ClientSession, record_figure: Callable[[str, object], None]
 ) -> None:
     """``/admin/pause?mode=keep`` through vLLM's own ``/pause?mode=keep``: the engines serving a
-    stream report themselves paused, nothing is aborted, and after the resume every stream ends
-    with all its tokens."""
+    stream report themselves paused, nothing is aborted; the resume resets prefix caches with
+    ``reset_running_requests`` (the frozen requests' KV is the old weights'), so vLLM preempts
+    them; then every stream ends with all its tokens."""
+    before = await engine_counters(http, vllm_base_urls)
     async with running_router(router_config(vllm_base_urls)) as router:
         client = router.openai()
+        generating: set[int] = set()
 
         async def stream(i: int) -> tuple[list[str | None], int]:
             s = await client.completions.create(
@@ -780,6 +788,8 @@ async def test_a_keep_pause_freezes_streams_on_real_vllm_and_the_resume_finishes
             reasons: list[str | None] = []
             usage = 0
             async for chunk in s:
+                if chunk.choices:
+                    generating.add(i)
                 reasons += [c.finish_reason for c in chunk.choices if c.finish_reason]
                 if chunk.usage is not None:
                     usage = chunk.usage.completion_tokens
@@ -788,11 +798,8 @@ async def test_a_keep_pause_freezes_streams_on_real_vllm_and_the_resume_finishes
         tasks = [asyncio.create_task(stream(i)) for i in range(KEEP_STREAMS)]
         headers = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
         try:
-            state = router.app[STATE]
-            try:
-                await state.wait_until(lambda: len(state.dispatcher.in_flight) >= 2, 60.0)
-            except TimeoutError:
-                pytest.fail(f"streams not open: {await _status_brief(router)}", pytrace=False)
+            # Paused once two streams are generating (running on their engines, not only sent).
+            await poll_until(lambda: _true(len(generating) >= 2), 60.0, lambda: _status_brief(router))
             async with http.post(f"{router.url}/admin/pause", params={"mode": "keep", "reset_prefix_cache": "false"},
                                  headers=headers) as resp:
                 assert resp.status == 200, await resp.text()
@@ -802,7 +809,11 @@ async def test_a_keep_pause_freezes_streams_on_real_vllm_and_the_resume_finishes
             for url in vllm_base_urls:
                 async with http.get(f"{url}/is_paused") as resp:
                     engines_paused[url] = (await resp.json())["is_paused"]
-            async with http.post(f"{router.url}/admin/resume", headers=headers) as resp:
+            # Frozen, the engines' running counts hold still: these are what the reset preempts.
+            running = sum(c.get("vllm:num_requests_running", 0.0)
+                          for c in (await engine_counters(http, frozen)).values())
+            async with http.post(f"{router.url}/admin/resume", params={"reset_prefix_cache": "true"},
+                                 headers=headers) as resp:
                 assert resp.status == 200, await resp.text()
                 resumed = await resp.json()
             async with asyncio.timeout(300):
@@ -815,6 +826,7 @@ async def test_a_keep_pause_freezes_streams_on_real_vllm_and_the_resume_finishes
         assert frozen and set(frozen) <= set(vllm_base_urls)
         assert all(engines_paused[u] for u in frozen), engines_paused  # vLLM's own word
         assert resumed["paused"] is False and resumed["frozen_engines"] == []
+        assert resumed["prefix_cache_reset"] == dict.fromkeys(vllm_base_urls, "ok")
         for url in vllm_base_urls:
             async with http.get(f"{url}/is_paused") as resp:
                 assert (await resp.json())["is_paused"] is False
@@ -822,8 +834,14 @@ async def test_a_keep_pause_freezes_streams_on_real_vllm_and_the_resume_finishes
         assert results == [(["length"], KEEP_OUTPUT)] * KEEP_STREAMS
         await wait_drained(router)
         assert await router.metric_sum("misat_requests_total", outcome="ok") == KEEP_STREAMS
+        after = await engine_counters(http, vllm_base_urls)
+        preempted = _delta(after, before, M_PREEMPTIONS)
+        # The frozen requests running on the engines were preempted by the reset (vLLM's count).
+        assert running >= 2 and preempted >= running, (running, preempted, frozen)
         record_figure("in_flight_at_keep_pause", paused["requests_in_flight"])
         record_figure("frozen_engines", len(frozen))
+        record_figure("running_at_keep_pause", running)
+        record_figure("preempted_by_the_reset", preempted)
 
 
 # ----------------------------------------------------------------------------- engine killed (last)

@@ -23,6 +23,8 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 RLVR = {"X-Rollout-Class": "rlvr"}
 LONG = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 1500, "ignore_eos": True}
 """Runs for seconds on a real-time simulated engine: in flight while the test pauses."""
+MEDIUM = {**LONG, "max_tokens": 600}
+"""In flight while a test pauses too, and short enough to be awaited whole after the resume."""
 
 
 @pytest.fixture
@@ -181,7 +183,7 @@ async def test_pause_keep_freezes_a_stream_in_place_and_the_resume_lets_it_finis
     sim = sims[0].app[SIM_STATE]
     async with aiohttp.ClientSession() as http:
         resp = await http.post(r.url + "/v1/completions", headers=RLVR,
-                               json={**LONG, "stream": True, "stream_options": {"include_usage": True}})
+                               json={**MEDIUM, "stream": True, "stream_options": {"include_usage": True}})
         await r.wait(lambda: len(r.state.dispatcher.in_flight) == 1)
         await _generating(sims[0])
         async with http.post(r.url + "/admin/pause", params={"mode": "keep"}, headers=AUTH) as p:
@@ -192,7 +194,7 @@ async def test_pause_keep_freezes_a_stream_in_place_and_the_resume_lets_it_finis
         assert sim.paused and sim.loop.frozen
         (child,) = sim.live.values()
         frozen_req = sim.engine.get_request(child.request_id)
-        assert frozen_req is not None and 0 < frozen_req.num_output_tokens < LONG["max_tokens"]
+        assert frozen_req is not None and 0 < frozen_req.num_output_tokens < MEDIUM["max_tokens"]
         status = await (await http.get(r.url + "/status")).json()
         assert status["paused"] is True and status["pause_mode"] == "keep"
 
@@ -223,8 +225,49 @@ async def test_pause_keep_freezes_a_stream_in_place_and_the_resume_lets_it_finis
     events = _stream_events(raw)
     # The whole generation, no abort: the frozen request went on where it stopped.
     assert [c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]] == ["length"]
-    assert events[-1]["usage"]["completion_tokens"] == LONG["max_tokens"] and raw.endswith("data: [DONE]\n\n")
+    assert events[-1]["usage"]["completion_tokens"] == MEDIUM["max_tokens"] and raw.endswith("data: [DONE]\n\n")
     assert sim.engine.counters.num_preemptions == 0
+    await r.wait(lambda: _drained(r.state))
+
+
+async def test_a_resume_that_resets_prefix_caches_after_a_keep_pause_resets_the_frozen_requests(sims, make) -> None:
+    r = await make([sims[0].base_url])
+    sim = sims[0].app[SIM_STATE]
+    async with aiohttp.ClientSession() as http:
+        gen = asyncio.create_task(http.post(r.url + "/v1/completions", headers=RLVR, json=MEDIUM))
+        await r.wait(lambda: len(r.state.dispatcher.in_flight) == 1)
+        await _generating(sims[0])
+        async with http.post(r.url + "/admin/pause", params={"mode": "keep"}, headers=AUTH) as p:
+            assert (await p.json())["frozen_engines"] == [sims[0].base_url]
+        assert sim.engine.num_running == 1 and sim.engine.kv_cache_usage() > 0
+        # The frozen request holds blocks of the old weights: a plain reset would be refused, so
+        # the router asks vLLM to reset the running requests too; the request recomputes.
+        async with http.post(r.url + "/admin/resume", params={"reset_prefix_cache": "true", "weight_version": "v2"},
+                             headers=AUTH) as p:
+            resumed = await p.json()
+        assert resumed["prefix_cache_reset"] == {sims[0].base_url: "ok"}
+        out = await (await asyncio.wait_for(gen, WAIT_S)).json()
+    assert out["choices"][0]["finish_reason"] == "length"
+    assert out["usage"]["completion_tokens"] == MEDIUM["max_tokens"]
+    assert sim.engine.counters.num_preemptions == 1  # the frozen request, reset and recomputed
+    await r.wait(lambda: _drained(r.state))
+
+
+async def test_a_reset_the_engine_refuses_is_reported_as_refused(sims, make) -> None:
+    r = await make([sims[0].base_url])
+    async with aiohttp.ClientSession() as http:
+        gen = asyncio.create_task(http.post(r.url + "/v1/completions", headers=RLVR, json=MEDIUM))
+        await r.wait(lambda: len(r.state.dispatcher.in_flight) == 1)
+        await _generating(sims[0])
+        # A wait pause leaves the request running: its blocks are in use, and vLLM refuses the
+        # reset while answering 200 ({"success": false}).
+        async with http.post(r.url + "/admin/pause", params={"mode": "wait", "reset_prefix_cache": "true"},
+                             headers=AUTH) as p:
+            body = await p.json()
+        assert body["prefix_cache_reset"] == {sims[0].base_url: "refused"}
+        async with http.post(r.url + "/admin/resume", headers=AUTH) as p:
+            assert p.status == 200
+        (await asyncio.wait_for(gen, WAIT_S)).release()
     await r.wait(lambda: _drained(r.state))
 
 

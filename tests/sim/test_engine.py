@@ -76,6 +76,32 @@ def test_abort_frees_blocks_and_counts(make_engine) -> None:
     assert e.abort_request("a") is False
 
 
+def test_a_reset_with_running_requests_preempts_them_and_they_recompute_whole(make_engine, drain) -> None:
+    def run(reset: bool) -> tuple:
+        e = make_engine(seed=5, num_gpu_blocks=200)  # room for all three: no preemption of its own
+        for i in range(3):
+            e.add_request(f"r{i}", list(range(10 + i, 60 + i)), 80, ignore_eos=True, arrival_time=0.0)
+        t = 0.0
+        for _ in range(12):
+            t = e.step(t).end
+        if reset:
+            # Blocks in use: a plain reset is refused (vLLM's rule); with the running requests
+            # preempted first it goes through and they recompute.
+            assert e.reset_prefix_cache() is False
+            running = e.num_running
+            assert running == 3 and e.reset_prefix_cache(reset_running_requests=True) is True
+            assert e.num_running == 0 and e.num_waiting == running and e.kv_cache_usage() == 0.0
+            assert e.counters.num_preemptions == running
+        done = {f.request_id: f for f in drain(e)}
+        return {rid: (f.output_token_ids, f.finish_reason, f.num_preemptions) for rid, f in done.items()}
+
+    plain, reset = run(False), run(True)
+    # The same tokens, whole: a preemption keeps the output so far and recomputes it.
+    assert {rid: v[:2] for rid, v in reset.items()} == {rid: v[:2] for rid, v in plain.items()}
+    assert all(len(ids) == 80 for ids, _, _ in reset.values())
+    assert [v[2] for v in reset.values()] == [1, 1, 1] and [v[2] for v in plain.values()] == [0, 0, 0]
+
+
 def test_step_times_grow_with_work(make_engine) -> None:
     e = make_engine()
     idle = e.step(0.0)
