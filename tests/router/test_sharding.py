@@ -18,6 +18,7 @@ from misat_router.app import create_app
 from misat_router.config import ConfigError, RouterConfig
 from misat_router.errors import ConfigRejected
 from misat_router.service import start_service
+from misat_router.shard_admin import merge_pause
 from misat_router.sharding import (
     SHARD_DOWN,
     SHARD_HEADER,
@@ -330,3 +331,13 @@ async def test_a_pool_status_names_a_live_peer_that_did_not_answer(engines: list
         assert pool["shards"]["0"].startswith("down") and len(pool["engines"]) == 4
     finally:
         await server.stop()
+
+
+def test_merged_pause_answers_join_the_frozen_engines_and_sum_the_counts() -> None:
+    def answer(frozen: list[str], in_flight: int) -> dict:
+        return {"paused": True, "mode": "keep", "requests_in_flight": in_flight, "held_requests": 1,
+                "aborted_requests": 0, "frozen_engines": frozen, "prefix_cache_reset": None}
+
+    merged = merge_pause([answer(["http://e2"], 2), answer(["http://e1", "http://e3"], 3), answer([], 0)])
+    assert merged["frozen_engines"] == ["http://e1", "http://e2", "http://e3"]
+    assert merged["requests_in_flight"] == 5 and merged["held_requests"] == 3 and merged["paused"] is True
