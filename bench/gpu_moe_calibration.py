@@ -311,6 +311,13 @@ def parts(model: Model, tokens: int, device: str, dtype: torch.dtype, reps: int,
     }
 
 
+def _timed_parts(model: Model, tokens: int, device: str, dtype: torch.dtype, reps: int, cuda: bool) -> dict[str, float]:
+    out = parts(model, tokens, device, dtype, reps, cuda)
+    print(f"    parts: dense {1e3 * out['dense_s']:.3f} ms, expert GEMMs {1e3 * out['experts_gemm_s']:.3f} ms "
+          f"({1e3 * out['experts_gemm_act_s']:.3f} with the activation)")
+    return out
+
+
 def measure(model: Model, device: str, dtype: torch.dtype, reps: int, cuda: bool) -> dict[str, list[dict]]:
     shape = model.s
     prefill_chunks = [512, 2048, 8192] if cuda else [64]
@@ -322,9 +329,7 @@ def measure(model: Model, device: str, dtype: torch.dtype, reps: int, cuda: bool
         row = {"tokens": n, "seconds": secs, "graph": graphed, "s_per_token": secs / n,
                "tflops": shape.flops_per_token() * n / secs / 1e12}
         if model.mode == "grouped":
-            row.update(parts(model, n, device, dtype, reps, cuda))
-            print(f"    parts: dense {1e3 * row['dense_s']:.3f} ms, expert GEMMs {1e3 * row['experts_gemm_s']:.3f} ms "
-                  f"({1e3 * row['experts_gemm_act_s']:.3f} with the activation)")
+            row.update(_timed_parts(model, n, device, dtype, reps, cuda))
         result["prefill"].append(row)
         print(f"  prefill chunk {n:5d}: {1e3 * secs:8.3f} ms  {1e6 * secs / n:6.3f} us/token  "
               f"{row['tflops']:6.1f} TFLOP/s  graph={graphed}")
@@ -333,9 +338,7 @@ def measure(model: Model, device: str, dtype: torch.dtype, reps: int, cuda: bool
         secs = timed(fn, reps, cuda)
         row = {"batch": b, "seconds": secs, "graph": graphed, "tb_per_s": shape.weight_bytes() / secs / 1e12}
         if model.mode == "grouped":
-            row.update(parts(model, b, device, dtype, reps, cuda))
-            print(f"    parts: dense {1e3 * row['dense_s']:.3f} ms, expert GEMMs {1e3 * row['experts_gemm_s']:.3f} ms "
-                  f"({1e3 * row['experts_gemm_act_s']:.3f} with the activation)")
+            row.update(_timed_parts(model, b, device, dtype, reps, cuda))
         result["decode"].append(row)
         print(f"  decode batch {b:4d}: {1e3 * secs:8.3f} ms per step  "
               f"{row['tb_per_s']:5.2f} TB/s of weights  graph={graphed}")

@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
 import pytest
@@ -55,6 +59,42 @@ async def _generating(sim: RunningServer) -> None:
 def _drained(state: RouterState) -> bool:
     return (not state.dispatcher.in_flight and state.runner.held_count() == 0
             and not state.runner.sessions and state.runner.policy.load.total == 0)
+
+
+@dataclass
+class Parked:
+    """A router in front of one fake engine (no ``/pause``), with one stream in flight that the
+    engine holds after its first chunk until ``release``."""
+
+    router: Any
+    engine: FakeEngine
+    http: aiohttp.ClientSession
+    stream: aiohttp.ClientResponse
+
+    async def release(self) -> str:
+        """Let the engine finish the stream; its whole body."""
+        assert self.engine.mid_stream_gate is not None
+        self.engine.mid_stream_gate.set()
+        raw = (await asyncio.wait_for(self.stream.read(), WAIT_S)).decode()
+        self.stream.release()
+        return raw
+
+
+@asynccontextmanager
+async def parked_stream(make: Callable[[list[str]], Awaitable[Any]]) -> AsyncIterator[Parked]:
+    fake = FakeEngine("a", wait_s=WAIT_S)
+    await fake.start()
+    try:
+        r = await make([fake.url])
+        fake.mid_stream_gate = asyncio.Event()
+        async with aiohttp.ClientSession() as http:
+            stream, _first = await open_parked_stream(http, r.url)
+            await r.wait(lambda: len(r.state.dispatcher.in_flight) == 1)
+            yield Parked(r, fake, http, stream)
+    finally:
+        if fake.mid_stream_gate is not None:
+            fake.mid_stream_gate.set()  # the engine's parked handler ends, so it can close
+        await fake.close()
 
 
 async def test_pause_abort_returns_partial_output_then_resume_records_the_version(sims, make) -> None:
@@ -152,27 +192,16 @@ async def test_an_engine_without_abort_is_aborted_by_the_router(make) -> None:
 
 
 async def test_pause_wait_lets_in_flight_finish(make) -> None:
-    fake = FakeEngine("a", wait_s=WAIT_S)
-    await fake.start()
-    try:
-        r = await make([fake.url])
-        fake.mid_stream_gate = asyncio.Event()
-        async with aiohttp.ClientSession() as http:
-            stream, _first = await open_parked_stream(http, r.url)
-            await r.wait(lambda: len(r.state.dispatcher.in_flight) == 1)
-            async with http.post(r.url + "/admin/pause", headers=AUTH) as p:
-                body = await p.json()
-            assert body["mode"] == "wait" and body["requests_in_flight"] == 1 and body["aborted_requests"] == 0
-            status = await (await http.get(r.url + "/status")).json()
-            assert status["paused"] is True and status["pause_mode"] == "wait"
-            fake.mid_stream_gate.set()
-            raw = (await asyncio.wait_for(stream.read(), WAIT_S)).decode()
-            stream.release()
+    async with parked_stream(make) as parked:
+        r, http = parked.router, parked.http
+        async with http.post(r.url + "/admin/pause", headers=AUTH) as p:
+            body = await p.json()
+        assert body["mode"] == "wait" and body["requests_in_flight"] == 1 and body["aborted_requests"] == 0
+        status = await (await http.get(r.url + "/status")).json()
+        assert status["paused"] is True and status["pause_mode"] == "wait"
+        raw = await parked.release()
         assert '"finish_reason": "abort"' not in raw and raw.endswith("data: [DONE]\n\n")
         await r.wait(lambda: _drained(r.state))
-    finally:
-        await fake.close()
-
 
 def _stream_events(raw: str) -> list[dict]:
     return [json.loads(e[6:]) for e in raw.split("\n\n") if e.startswith("data: {")]
@@ -272,60 +301,34 @@ async def test_a_reset_the_engine_refuses_is_reported_as_refused(sims, make) -> 
 
 
 async def test_a_keep_pause_an_engine_cannot_take_is_undone_and_named(make) -> None:
-    fake = FakeEngine("a", wait_s=WAIT_S)  # no /pause: vLLM without VLLM_SERVER_DEV_MODE answers 404
-    await fake.start()
-    try:
-        r = await make([fake.url])
-        fake.mid_stream_gate = asyncio.Event()
-        async with aiohttp.ClientSession() as http:
-            stream, _first = await open_parked_stream(http, r.url)
-            await r.wait(lambda: len(r.state.dispatcher.in_flight) == 1)
-            async with http.post(r.url + "/admin/pause", params={"mode": "keep"}, headers=AUTH) as p:
-                assert p.status == 502
-                err = (await p.json())["error"]
-            assert err["code"] == "engines_not_frozen" and fake.url in err["message"]
-            assert "status 404" in err["message"] and "Nothing was paused" in err["message"]
-            status = await (await http.get(r.url + "/status")).json()
-            assert status["paused"] is False and status["pause_mode"] is None
-            assert not r.state.engines_frozen and not r.state.engines_paused
-            # New work is admitted as before, and the request in flight was left alone.
-            async with http.post(r.url + "/v1/completions", headers=RLVR,
-                                 json={"model": MODEL, "prompt": [9], "max_tokens": 2}) as ok:
-                assert ok.status == 200
-            fake.mid_stream_gate.set()
-            raw = (await asyncio.wait_for(stream.read(), WAIT_S)).decode()
-            stream.release()
+    async with parked_stream(make) as parked:  # the fake has no /pause: vLLM without dev mode answers 404
+        r, http = parked.router, parked.http
+        async with http.post(r.url + "/admin/pause", params={"mode": "keep"}, headers=AUTH) as p:
+            assert p.status == 502
+            err = (await p.json())["error"]
+        assert err["code"] == "engines_not_frozen" and parked.engine.url in err["message"]
+        assert "status 404" in err["message"] and "Nothing was paused" in err["message"]
+        status = await (await http.get(r.url + "/status")).json()
+        assert status["paused"] is False and status["pause_mode"] is None
+        assert not r.state.engines_frozen and not r.state.engines_paused
+        # New work is admitted as before, and the request in flight was left alone.
+        async with http.post(r.url + "/v1/completions", headers=RLVR,
+                             json={"model": MODEL, "prompt": [9], "max_tokens": 2}) as ok:
+            assert ok.status == 200
+        raw = await parked.release()
         assert '"finish_reason": "abort"' not in raw and raw.endswith("data: [DONE]\n\n")
         await r.wait(lambda: _drained(r.state))
-    finally:
-        if fake.mid_stream_gate is not None:
-            fake.mid_stream_gate.set()
-        await fake.close()
-
 
 async def test_an_earlier_pause_stays_when_a_keep_pause_is_undone(make) -> None:
-    fake = FakeEngine("a", wait_s=WAIT_S)
-    await fake.start()
-    try:
-        r = await make([fake.url])
-        fake.mid_stream_gate = asyncio.Event()
-        async with aiohttp.ClientSession() as http:
-            stream, _first = await open_parked_stream(http, r.url)
-            await r.wait(lambda: len(r.state.dispatcher.in_flight) == 1)
-            async with http.post(r.url + "/admin/pause", params={"mode": "wait"}, headers=AUTH) as p:
-                assert p.status == 200
-            async with http.post(r.url + "/admin/pause", params={"mode": "keep"}, headers=AUTH) as p:
-                assert p.status == 502
-            status = await (await http.get(r.url + "/status")).json()
-            assert status["paused"] is True and status["pause_mode"] == "wait"
-            fake.mid_stream_gate.set()
-            await asyncio.wait_for(stream.read(), WAIT_S)
-            stream.release()
-    finally:
-        if fake.mid_stream_gate is not None:
-            fake.mid_stream_gate.set()
-        await fake.close()
-
+    async with parked_stream(make) as parked:
+        r, http = parked.router, parked.http
+        async with http.post(r.url + "/admin/pause", params={"mode": "wait"}, headers=AUTH) as p:
+            assert p.status == 200
+        async with http.post(r.url + "/admin/pause", params={"mode": "keep"}, headers=AUTH) as p:
+            assert p.status == 502
+        status = await (await http.get(r.url + "/status")).json()
+        assert status["paused"] is True and status["pause_mode"] == "wait"
+        await parked.release()
 
 async def test_a_keep_pause_refuses_a_prefix_cache_reset(sims, make_router) -> None:
     r = await make_router([sims[0].base_url], admin_token=TOKEN, pause_resets_prefix_cache=True)
