@@ -197,8 +197,10 @@ class AdminClient:
         idle_timeout_s: float = IDLE_TIMEOUT_S,
     ) -> WeightUpdateResult:
         """The weight-update sequence of the module docstring."""
-        paused = await self.pause(mode)
-        if paused.requests_in_flight and PauseMode(mode) != PauseMode.KEEP:
+        keep = PauseMode(mode) == PauseMode.KEEP
+        # A keep pause cannot reset caches (the router refuses it); the resume below resets them.
+        paused = await self.pause(mode, reset_prefix_cache=False if keep else None)
+        if paused.requests_in_flight and not keep:
             await self.wait_idle(idle_timeout_s)
         results = []
         for call in calls:
@@ -265,8 +267,9 @@ class SyncAdminClient:
         self, calls: Sequence[EngineCall], *, version: str, mode: PauseMode | str = PauseMode.ABORT,
         idle_timeout_s: float = IDLE_TIMEOUT_S,
     ) -> WeightUpdateResult:
-        paused = self.pause(mode)
-        if paused.requests_in_flight and PauseMode(mode) != PauseMode.KEEP:
+        keep = PauseMode(mode) == PauseMode.KEEP
+        paused = self.pause(mode, reset_prefix_cache=False if keep else None)
+        if paused.requests_in_flight and not keep:
             self.wait_idle(idle_timeout_s)
         results = []
         for call in calls:

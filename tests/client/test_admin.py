@@ -96,7 +96,8 @@ async def test_the_weight_update_sequence(sim_pool: PoolFactory) -> None:
 
 
 async def test_the_weight_update_sequence_with_a_keep_pause(sim_pool: PoolFactory) -> None:
-    pool = await sim_pool(time_scale=1.0)
+    # A router that resets caches on every pause by default: the keep pause must not ask it to.
+    pool = await sim_pool(time_scale=1.0, pause_resets_prefix_cache=True)
     async with AdminClient(pool.url, TOKEN) as admin, aiohttp.ClientSession() as http:
         gen = asyncio.create_task(http.post(pool.url + "/v1/completions", headers={"X-Rollout-Class": "rlvr"},
                                             json={"model": pool.model, "prompt": [5, 6, 7], "max_tokens": 400,
