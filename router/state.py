@@ -403,6 +403,7 @@ class RouterState:
             now=now,
             weight_versions=self.weight_versions,
             pause_mode=self.pause_mode,
+            frozen_engines=self.engines_frozen,
             shard=self.shard_status(),
         )
 

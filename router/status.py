@@ -13,7 +13,7 @@ sessions, cap}``; baselines report none and the fields are null.
 from __future__ import annotations
 
 from collections import Counter, deque
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from pydantic import BaseModel, Field
@@ -96,6 +96,10 @@ class EngineStatus(BaseModel):
         "/admin/engines/call with weight_version); null until known."
     )
     restarts: int = Field(0, description="Restarts seen: the engine's cumulative vLLM counters went back.")
+    frozen: bool = Field(
+        False, description="A keep pause froze the engine's requests in flight (/admin/pause?mode=keep); "
+        "they go on at /admin/resume."
+    )
     held: str | None = Field(
         None, description="Why the engine, though healthy, takes no new work: it restarted, or joined the pool, after "
         "a weight version was recorded, and serves its start-up weights until a weight update through "
@@ -224,6 +228,7 @@ def build_status(
     now: float,
     weight_versions: Mapping[str, str | None] | None = None,
     pause_mode: str | None = None,
+    frozen_engines: Collection[str] = (),
     shard: ShardStatus | None = None,
 ) -> RouterStatus:
     describe = runner.policy.describe()
@@ -280,6 +285,7 @@ def build_status(
                 sessions=sessions_per_engine.get(eid, 0),
                 weight_version=(weight_versions or {}).get(eid),
                 restarts=st.restarts,
+                frozen=eid in frozen_engines,
                 held=st.held,
             )
         )

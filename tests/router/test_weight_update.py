@@ -226,6 +226,7 @@ async def test_pause_keep_freezes_a_stream_in_place_and_the_resume_lets_it_finis
         assert frozen_req is not None and 0 < frozen_req.num_output_tokens < MEDIUM["max_tokens"]
         status = await (await http.get(r.url + "/status")).json()
         assert status["paused"] is True and status["pause_mode"] == "keep"
+        assert [e["frozen"] for e in status["engines"]] == [True]
 
         # The frozen engine's silence is expected: the sweep lets it be however long it lasts.
         pool = r.state.upstream_pool
@@ -244,6 +245,8 @@ async def test_pause_keep_freezes_a_stream_in_place_and_the_resume_lets_it_finis
             resumed = await p.json()
         assert resumed["paused"] is False and resumed["mode"] == "keep" and resumed["frozen_engines"] == []
         assert not sim.loop.frozen and not sim.paused
+        status = await (await http.get(r.url + "/status")).json()
+        assert [e["frozen"] for e in status["engines"]] == [False]
         # Thawed: its silence counts again, from the resume.
         assert pool.loop.time() - conn._last_io < r.state.config.upstream_timeout_s
         raw = (await asyncio.wait_for(resp.read(), WAIT_S)).decode()
