@@ -49,6 +49,8 @@ def summary(status: Mapping[str, Any]) -> Table:
     grid = Table.grid(padding=(0, 2))
     engines = status.get("engines") or []
     state = "paused" if status.get("paused") else ("ready" if status.get("ready") else "not ready")
+    if status.get("paused") and status.get("pause_mode"):
+        state += f" ({status['pause_mode']})"
     if status.get("draining"):
         state += ", draining"
     grid.add_row("[bold]router[/]", f"policy [bold]{_text(status.get('policy'))}[/]",
@@ -94,9 +96,11 @@ def engines_table(status: Mapping[str, Any]) -> Table:
     t = Table(title="engines (KV use and hits as the engines measure them)")
     rows = status.get("engines") or []
     extra = [k for k in ("weight_version",) if any(k in e for e in rows)]
-    # Only while some engine is held (start-up weights after a restart or a join): the why is long.
+    # Only while some engine is frozen (a keep pause) or held (start-up weights after a restart or a
+    # join: the why is long).
+    extra += [k for k in ("frozen",) if any(e.get(k) for e in rows)]
     extra += [k for k in ("held",) if any(e.get(k) is not None for e in rows)]
-    headers = {"weight_version": "weight version", "held": "held (no new work)"}
+    headers = {"weight_version": "weight version", "frozen": "frozen (keep pause)", "held": "held (no new work)"}
     for col in ("engine", "healthy", "draining", "sessions", "in flight", "running", "waiting", "KV in use",
                 "KV capacity (tokens)", "prefix hit", "preemptions", "last scrape", "last error",
                 *(headers[k] for k in extra)):

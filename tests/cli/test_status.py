@@ -74,3 +74,20 @@ def test_a_held_engine_says_why_in_the_engines_table_and_the_column_is_absent_ot
     console = Console(width=400, record=True)
     console.print(engines_table({"engines": [rows[0]]}))
     assert "held" not in console.export_text()
+
+
+def test_a_keep_pause_shows_in_the_summary_and_the_frozen_engines_in_the_engines_table() -> None:
+    rows = [{"id": "http://e0", "healthy": True, "frozen": True},
+            {"id": "http://e1", "healthy": True, "frozen": False}]
+    console = Console(width=300, record=True)
+    console.print(engines_table({"engines": rows}))
+    text = console.export_text()
+    lines = {line.split()[1]: line for line in text.splitlines() if "http://e" in line}
+    assert "frozen (keep pause)" in text
+    assert lines["http://e0"].rstrip(" │").endswith("yes") and lines["http://e1"].rstrip(" │").endswith("no")
+    console = Console(width=300, record=True)
+    console.print(engines_table({"engines": [rows[1]]}))
+    assert "frozen" not in console.export_text()
+    console = Console(width=300, record=True)
+    console.print(render_status({"paused": True, "pause_mode": "keep", "engines": rows}))
+    assert "paused (keep)" in console.export_text()
