@@ -317,19 +317,26 @@ async def handle_resume(request: web.Request) -> web.Response:
     if version is not None and not version.strip():
         raise InvalidRequest("weight_version must not be empty", param="weight_version")
     mode = state.pause_mode
-    # After a keep pause the frozen requests hold KV of the old weights: they are reset too, and
-    # recompute it under the new ones once resumed (vLLM's reset_running_requests).
-    reset_results = await reset_prefix_caches(state, reset_running=bool(state.engines_frozen)) if reset else None
+    # Requests still running hold KV of the old weights (a keep pause's frozen ones, or a wait
+    # pause's unfinished ones): they are reset too, and recompute it under the new weights once
+    # they run (vLLM's reset_running_requests). Sent whatever this router remembers, so a resume
+    # after a router restart resets what the old router froze.
+    reset_results = await reset_prefix_caches(state, reset_running=True) if reset else None
     if version is not None:
         state.record_weight_version(state.registry.owned_ids(), version, answered=False)
-    if state.engines_paused:
-        # The engines an abort paused or a keep froze through vLLM's /pause schedule again (the
-        # frozen requests first) before held work goes.
-        resumed = await call_engines(state, sorted(state.engines_paused), "POST", ENGINE_RESUME_PATH,
-                                     timeout=_quick_timeout(state.config))
-        failed = {e: r for e, r in resumed.items() if not _ok(r)}
-        if failed:
-            log.warning("engines did not resume: %s", failed)
+    # Every engine schedules again (the frozen requests first) before held work goes. vLLM's
+    # /resume is a no-op on an engine that is not paused, and this router may not remember one
+    # it paused: a router restarted during a pause forgets the engines it paused through /pause.
+    known = sorted(state.engines_paused)
+    others = [e for e in state.registry.owned_ids() if e not in state.engines_paused]
+    resumed = await call_engines(state, known + others, "POST", ENGINE_RESUME_PATH,
+                                 timeout=_quick_timeout(state.config))
+    failed = {e: r for e, r in resumed.items() if not _ok(r)}
+    if failed.keys() & set(known):
+        log.warning("engines paused through /pause did not resume: %s", {e: failed[e] for e in known if e in failed})
+    elif failed:
+        # Engines without vLLM's dev-mode endpoints answer 404: nothing to resume there.
+        log.debug("resume not served by: %s", failed)
     state.resume()
     log.info("router resumed (prefix cache reset: %s, weight version: %s)", reset, version)
     body = _pause_body(state, mode, 0, reset_results)

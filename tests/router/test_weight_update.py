@@ -285,6 +285,27 @@ async def test_a_resume_that_resets_prefix_caches_after_a_keep_pause_resets_the_
     await r.wait(lambda: _drained(r.state))
 
 
+async def test_a_router_restarted_during_a_keep_pause_resumes_what_its_predecessor_froze(sims, make) -> None:
+    old = await make([sims[0].base_url])
+    sim = sims[0].app[SIM_STATE]
+    async with aiohttp.ClientSession() as http:
+        gen = asyncio.create_task(http.post(old.url + "/v1/completions", headers=RLVR, json=MEDIUM))
+        await old.wait(lambda: len(old.state.dispatcher.in_flight) == 1)
+        await _generating(sims[0])
+        async with http.post(old.url + "/admin/pause", params={"mode": "keep"}, headers=AUTH) as p:
+            assert (await p.json())["frozen_engines"] == [sims[0].base_url]
+        # The trainer's resume reaches a new router, which never paused anything.
+        new = await make([sims[0].base_url])
+        assert not new.state.engines_paused
+        async with http.post(new.url + "/admin/resume", params={"reset_prefix_cache": "true"}, headers=AUTH) as p:
+            resumed = await p.json()
+        assert resumed["prefix_cache_reset"] == {sims[0].base_url: "ok"}  # not refused: the frozen request was reset
+        assert not sim.paused and not sim.loop.frozen
+        out = await (await asyncio.wait_for(gen, WAIT_S)).json()
+    assert out["usage"]["completion_tokens"] == MEDIUM["max_tokens"]
+    assert sim.engine.counters.num_preemptions == 1
+
+
 async def test_a_reset_the_engine_refuses_is_reported_as_refused(sims, make) -> None:
     r = await make([sims[0].base_url])
     async with aiohttp.ClientSession() as http:
