@@ -262,15 +262,21 @@ async def test_pause_keep_freezes_a_stream_in_place_and_the_resume_lets_it_finis
     await r.wait(lambda: _drained(r.state))
 
 
+async def _frozen_generation(http: aiohttp.ClientSession, r: Any, sim: RunningServer) -> asyncio.Task:
+    """A MEDIUM generation through router ``r``, frozen on ``sim`` by a keep pause; its answer's task."""
+    gen = asyncio.create_task(http.post(r.url + "/v1/completions", headers=RLVR, json=MEDIUM))
+    await r.wait(lambda: len(r.state.dispatcher.in_flight) == 1)
+    await _generating(sim)
+    async with http.post(r.url + "/admin/pause", params={"mode": "keep"}, headers=AUTH) as p:
+        assert (await p.json())["frozen_engines"] == [sim.base_url]
+    return gen
+
+
 async def test_a_resume_that_resets_prefix_caches_after_a_keep_pause_resets_the_frozen_requests(sims, make) -> None:
     r = await make([sims[0].base_url])
     sim = sims[0].app[SIM_STATE]
     async with aiohttp.ClientSession() as http:
-        gen = asyncio.create_task(http.post(r.url + "/v1/completions", headers=RLVR, json=MEDIUM))
-        await r.wait(lambda: len(r.state.dispatcher.in_flight) == 1)
-        await _generating(sims[0])
-        async with http.post(r.url + "/admin/pause", params={"mode": "keep"}, headers=AUTH) as p:
-            assert (await p.json())["frozen_engines"] == [sims[0].base_url]
+        gen = await _frozen_generation(http, r, sims[0])
         assert sim.engine.num_running == 1 and sim.engine.kv_cache_usage() > 0
         # The frozen request holds blocks of the old weights: a plain reset would be refused, so
         # the router asks vLLM to reset the running requests too; the request recomputes.
@@ -289,11 +295,7 @@ async def test_a_router_restarted_during_a_keep_pause_resumes_what_its_predecess
     old = await make([sims[0].base_url])
     sim = sims[0].app[SIM_STATE]
     async with aiohttp.ClientSession() as http:
-        gen = asyncio.create_task(http.post(old.url + "/v1/completions", headers=RLVR, json=MEDIUM))
-        await old.wait(lambda: len(old.state.dispatcher.in_flight) == 1)
-        await _generating(sims[0])
-        async with http.post(old.url + "/admin/pause", params={"mode": "keep"}, headers=AUTH) as p:
-            assert (await p.json())["frozen_engines"] == [sims[0].base_url]
+        gen = await _frozen_generation(http, old, sims[0])
         # The trainer's resume reaches a new router, which never paused anything.
         new = await make([sims[0].base_url])
         assert not new.state.engines_paused
