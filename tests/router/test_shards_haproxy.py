@@ -98,6 +98,26 @@ async def wait_ownership(s: ShardSet, live: list[int], timeout_s: float = WAIT_S
             await asyncio.sleep(POLL_S)  # bounded poll of another process's view
 
 
+async def wait_placeable(s: ShardSet, live: list[int], timeout_s: float = WAIT_S) -> None:
+    """Wait (bounded) until every shard of ``live`` has checked and scraped every engine it owns: a
+    shard places new sessions only on engines it knows healthy and has a KV capacity for, and one
+    taken over from a dead shard gets both a probe and a scrape later (later still on a busy machine)."""
+    async with asyncio.timeout(timeout_s):
+        while True:
+            placeable = True
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0)) as http:
+                for i in live:
+                    async with http.get(f"{s.shard_urls[i]}/status") as resp:
+                        st = await resp.json()
+                    rows = {e["id"]: e for e in st["engines"]}
+                    placeable = placeable and all(
+                        e in rows and rows[e]["healthy"] and rows[e]["kv_capacity_tokens"] > 0
+                        for e in st["shard"]["owned_engines"])
+            if placeable:
+                return
+            await asyncio.sleep(POLL_S)  # bounded poll of other processes' views
+
+
 def client(s: ShardSet, attempts: Attempts, max_retries: int = 0) -> openai.AsyncOpenAI:
     """The official client through the proxy; no retries of its own by default, so every answer
     is the proxy's and the shards' doing."""
@@ -305,6 +325,7 @@ async def test_a_returning_shard_takes_its_engines_back_without_moving_the_survi
     steady = await wait_ownership(s, [0, 1, 2])
     s.kill_shard(1)
     await wait_ownership(s, [0, 2])
+    await wait_placeable(s, [0, 2])  # else new sessions may all avoid the engines just taken over
     c = client(s, Attempts())
     n = 24
     # Sessions that start while shard 1 is down, over the survivors' engines (its own among them).
