@@ -260,11 +260,13 @@ async def _freeze_in_flight(state: RouterState, previous: tuple[bool, str | None
         stuck = sorted(e for e, r in undone.items() if not _ok(r))
         if stuck:
             log.warning("engines frozen by a failed keep pause did not resume: %s", stuck)
+    # Back as it was. Running before: nothing of this router's was paused through /pause then (a
+    # resume forgets them all), so a plain resume leaves no engine's pause behind.
     was_paused, mode = previous
     if was_paused and mode is not None:
         state.pause(mode)
     else:
-        state.resume(keep_engines_paused=True)
+        state.resume()
     reasons = "; ".join(f"{e}: {_describe(r)}" for e, r in sorted(failed.items()))
     raise UpstreamUnavailable(
         f"mode=keep needs every engine with requests in flight to freeze them (vLLM's POST /pause?mode=keep, "
@@ -327,16 +329,15 @@ async def handle_resume(request: web.Request) -> web.Response:
     # Every engine schedules again (the frozen requests first) before held work goes. vLLM's
     # /resume is a no-op on an engine that is not paused, and this router may not remember one
     # it paused: a router restarted during a pause forgets the engines it paused through /pause.
-    known = sorted(state.engines_paused)
-    others = [e for e in state.registry.owned_ids() if e not in state.engines_paused]
-    resumed = await call_engines(state, known + others, "POST", ENGINE_RESUME_PATH,
-                                 timeout=_quick_timeout(state.config))
+    engines = sorted(set(state.registry.owned_ids()) | state.engines_paused)
+    resumed = await call_engines(state, engines, "POST", ENGINE_RESUME_PATH, timeout=_quick_timeout(state.config))
     failed = {e: r for e, r in resumed.items() if not _ok(r)}
-    if failed.keys() & set(known):
-        log.warning("engines paused through /pause did not resume: %s", {e: failed[e] for e in known if e in failed})
-    elif failed:
+    stuck = {e: r for e, r in failed.items() if e in state.engines_paused}
+    if stuck:
+        log.warning("engines paused through /pause did not resume: %s", stuck)
+    if len(failed) > len(stuck):
         # Engines without vLLM's dev-mode endpoints answer 404: nothing to resume there.
-        log.debug("resume not served by: %s", failed)
+        log.debug("resume not served by: %s", {e: r for e, r in failed.items() if e not in stuck})
     state.resume()
     log.info("router resumed (prefix cache reset: %s, weight version: %s)", reset, version)
     body = _pause_body(state, mode, 0, reset_results)

@@ -230,17 +230,15 @@ class RouterState:
         if self.upstream_pool is not None:
             self.upstream_pool.freeze(engines)
 
-    def resume(self, *, keep_engines_paused: bool = False) -> None:
+    def resume(self) -> None:
         """Admit again; held work is re-checked at once. The engines' own pauses are forgotten
-        (the admin API has resumed them) unless ``keep_engines_paused`` (an undone keep pause:
-        those of an earlier abort stay paused until the next resume)."""
+        (the admin API has resumed them)."""
         self.runner.paused = False
         self.pause_mode = None
-        if not keep_engines_paused:
-            self.engines_paused.clear()
-            self.engines_frozen.clear()
-            if self.upstream_pool is not None:
-                self.upstream_pool.thaw()
+        self.engines_paused.clear()
+        self.engines_frozen.clear()
+        if self.upstream_pool is not None:
+            self.upstream_pool.thaw()
         self._admission_changed()
 
     def record_weight_version(self, engines: list[str], version: str, *, answered: bool) -> None:

@@ -686,7 +686,7 @@ async def _pause_engine(state: ServerState, mode: str, clear_cache: bool) -> int
     else:
         await state.idle.wait()
     if clear_cache:
-        state.engine.reset_prefix_cache()
+        state.loop.reset_prefix_cache()
     return aborted
 
 
