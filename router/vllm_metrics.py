@@ -26,10 +26,9 @@ Adding an engine metric the policy uses: a ``VllmMetric`` here, a field in
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, replace
-from enum import StrEnum
-
-from prometheus_client.parser import text_string_to_metric_families
+from enum import Enum, StrEnum, auto
 
 PREFIX = "vllm:"
 """Every vLLM series starts with this; a page without one is not a vLLM engine's."""
@@ -177,10 +176,82 @@ def _int_label(labels: dict[str, str], key: str) -> int:
 def parse_vllm_metrics(text: str) -> VllmMetrics:
     """Parse a Prometheus text page; unknown metrics are ignored, missing ones read as 0.
 
-    Raises ``ValueError`` when the page is not Prometheus text or a vLLM value
-    is not a finite, non-negative number.
+    Raises ``ValueError`` when a series the router reads is malformed or its
+    value is not a finite, non-negative number.
     """
     return parse_vllm_page(text)[0]
+
+
+class _Read(Enum):
+    """Which ``VllmMetrics`` input a sample feeds."""
+
+    KV_USAGE = auto()
+    RUNNING = auto()
+    WAITING = auto()
+    QUERIES = auto()
+    HITS = auto()
+    PREEMPTIONS = auto()
+    CACHE_CONFIG = auto()
+
+
+_READ_SAMPLES: dict[str, _Read] = {
+    name: read
+    for metric, read in (
+        (KV_CACHE_USAGE, _Read.KV_USAGE),
+        (NUM_REQUESTS_RUNNING, _Read.RUNNING),
+        (NUM_REQUESTS_WAITING, _Read.WAITING),
+        (PREFIX_CACHE_QUERIES, _Read.QUERIES),
+        (PREFIX_CACHE_HITS, _Read.HITS),
+        (NUM_PREEMPTIONS, _Read.PREEMPTIONS),
+        (CACHE_CONFIG_INFO, _Read.CACHE_CONFIG),
+    )
+    for name in metric.samples
+}
+"""Every sample name the router reads, and what it feeds."""
+
+# The text exposition format (0.0.4), as far as the read lines need it. Quoted label
+# values take backslash escapes; the patterns are "unrolled" ([^"\\]* runs, then one
+# escape) so the regex engine moves through a value in runs, not a character at a time.
+_QUOTED = r'"[^"\\\n]*(?:\\.[^"\\\n]*)*"'
+_LABEL = rf"[ \t]*([a-zA-Z_][a-zA-Z0-9_]*)[ \t]*=[ \t]*({_QUOTED})[ \t]*"
+_LABELS = re.compile(rf"(?:{_LABEL},)*(?:{_LABEL})?[ \t]*")
+"""A whole label set: pairs separated by commas, a trailing comma allowed."""
+_LABEL_PAIR = re.compile(_LABEL)
+_READ_NAMES = "|".join(re.escape(n) for n in sorted(_READ_SAMPLES, key=len, reverse=True))
+_READ_LINE = re.compile(
+    rf"\n[ \t]*({_READ_NAMES})(?:[ \t]*\{{((?:[^\"}}\n]|{_QUOTED})*)\}}[ \t]*|[ \t]+)"
+    r"([^ \t\r\n]+)(?:[ \t]+([^ \t\r\n]+))?[ \t\r]*(?=\n)"
+    rf"|\n[ \t]*({_READ_NAMES})(?=[ \t{{\r\n])[^\n]*"
+)
+"""A line of a series read here (name, labels, value, timestamp) on a page framed by newlines;
+or, in the last group, one that starts like it but does not parse."""
+_VLLM_LINE = re.compile(r"\n[ \t]*" + re.escape(PREFIX))
+"""A sample line of any vLLM series."""
+_ESCAPE = re.compile(r"\\(.)")
+_UNESCAPED = {"\\": "\\", "n": "\n", '"': '"'}
+
+
+def _unescape(value: str) -> str:
+    value = value[1:-1]
+    return _ESCAPE.sub(lambda m: _UNESCAPED.get(m.group(1), m.group(0)), value) if "\\" in value else value
+
+
+def _labels(text: str, line: str) -> dict[str, str]:
+    # Checked whole, then read pair by pair: two passes in C, no loop over labels here
+    # (vllm:cache_config_info carries about forty).
+    if _LABELS.fullmatch(text) is None:
+        raise ValueError(f"malformed labels in {line[:200]!r}")
+    return {k: _unescape(v) for k, v in _LABEL_PAIR.findall(text)}
+
+
+def _number(text: str, line: str) -> float:
+    """A sample value as the exposition format writes it (``1``, ``0.5``, ``1e3``, ``+Inf``, ``NaN``)."""
+    if "_" in text:  # float() would read 1_000; the format does not
+        raise ValueError(f"invalid value {text!r} in {line[:200]!r}")
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"invalid value {text!r} in {line[:200]!r}") from None
 
 
 def parse_vllm_page(text: str) -> tuple[VllmMetrics, bool]:
@@ -191,35 +262,49 @@ def parse_vllm_page(text: str) -> tuple[VllmMetrics, bool]:
     A server with several internal engines (label ``engine``) is summed:
     counts and counters add up, KV usage is the capacity-weighted mean, KV
     capacity is the sum over each engine's ``vllm:cache_config_info``.
+
+    Only the lines of the series read here are parsed and checked: a real
+    vLLM page holds about 600 lines (histogram buckets, process metrics) and a
+    full parse of it took about 13 ms of the router's one event loop, four
+    times a second per engine (docs/scale.md, "Watching many engines"). So a
+    malformed or non-finite line of a series the router does not read does
+    not fail the scrape. Counters are read by their ``_total`` sample names,
+    as every Prometheus client library writes them.
     """
-    seen = False
     usage: dict[str, float] = {}
     capacity: dict[str, int] = {}
     running = waiting = 0.0
     queries = hits = preemptions = 0.0
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if not s.name.startswith(PREFIX):
-                continue
-            seen = True
-            if not math.isfinite(s.value) or s.value < 0:
-                raise ValueError(f"{s.name} has the value {s.value}")
-            engine = s.labels.get(ENGINE_LABEL, "")
-            if s.name in KV_CACHE_USAGE.samples:
-                usage[engine] = s.value
-            elif s.name in NUM_REQUESTS_RUNNING.samples:
-                running += s.value
-            elif s.name in NUM_REQUESTS_WAITING.samples:
-                waiting += s.value
-            elif s.name in PREFIX_CACHE_QUERIES.samples:
-                queries += s.value
-            elif s.name in PREFIX_CACHE_HITS.samples:
-                hits += s.value
-            elif s.name in NUM_PREEMPTIONS.samples:
-                preemptions += s.value
-            elif s.name in CACHE_CONFIG_INFO.samples:
-                blocks = _int_label(s.labels, NUM_GPU_BLOCKS_LABEL)
-                capacity[engine] = blocks * _int_label(s.labels, BLOCK_SIZE_LABEL)
+    page = "\n" + text + "\n"  # every line, the first and the last too, between two newlines
+    seen = _VLLM_LINE.search(page) is not None
+    for m in _READ_LINE.finditer(page):
+        name, label_text, value_text, timestamp, unparsed = m.groups()
+        if unparsed is not None:
+            raise ValueError(f"malformed sample {m.group(0).strip()[:200]!r}")
+        line = m.group(0)
+        if timestamp is not None:
+            _number(timestamp, line)
+        value = _number(value_text, line)
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"{name} has the value {value}")
+        labels = _labels(label_text, line) if label_text else {}
+        engine = labels.get(ENGINE_LABEL, "")
+        read = _READ_SAMPLES[name]
+        if read is _Read.KV_USAGE:
+            usage[engine] = value
+        elif read is _Read.RUNNING:
+            running += value
+        elif read is _Read.WAITING:
+            waiting += value
+        elif read is _Read.QUERIES:
+            queries += value
+        elif read is _Read.HITS:
+            hits += value
+        elif read is _Read.PREEMPTIONS:
+            preemptions += value
+        else:
+            blocks = _int_label(labels, NUM_GPU_BLOCKS_LABEL)
+            capacity[engine] = blocks * _int_label(labels, BLOCK_SIZE_LABEL)
     total_cap = sum(capacity.values())
     if total_cap > 0 and set(usage) <= set(capacity):
         kv_usage = sum(u * capacity.get(e, 0) for e, u in usage.items()) / total_cap

@@ -10,6 +10,7 @@ import pytest
 from misat_bench.proxy_bench import (
     DIRECT,
     Measurement,
+    MetricsPage,
     WrkResult,
     completion_answer,
     logprobs_answer,
@@ -28,10 +29,20 @@ from misat_router.usage import usage_from_json
 from misat_router.vllm_metrics import parse_vllm_page
 
 
-def test_stub_metrics_page_is_a_healthy_idle_vllm_engine() -> None:
-    metrics, seen = parse_vllm_page(metrics_page(1))
+@pytest.mark.parametrize("page", list(MetricsPage))
+def test_stub_metrics_page_is_a_healthy_idle_vllm_engine(page: MetricsPage) -> None:
+    metrics, seen = parse_vllm_page(metrics_page(1, page))
     assert seen and metrics.kv_capacity_tokens > 1_000_000 and metrics.kv_usage == 0.0
     assert metrics.num_running == metrics.num_waiting == 0
+
+
+def test_the_vllm_stub_page_is_the_recorded_page_with_the_stubs_values() -> None:
+    page = metrics_page(1, MetricsPage.VLLM)
+    minimal = metrics_page(1, MetricsPage.MINIMAL)
+    assert page.endswith(minimal) and page.count("\n") > 10 * minimal.count("\n")
+    # The recorded engine's own values are gone: each read series is written once, the stub's.
+    assert page.count("vllm:num_requests_running{") == 1 and page.count("# TYPE vllm:cache_config_info ") == 1
+    assert "vllm:time_to_first_token_seconds_bucket" in page and "process_cpu_seconds_total" in page
 
 
 def test_stub_completion_answer_carries_usage_the_router_reads() -> None:

@@ -209,3 +209,30 @@ def test_an_engine_is_joined_once_when_new_to_the_pool_not_when_a_shard_takes_it
     owns.mine.add("http://d")
     reg.set_engines(["http://a", "http://b", "http://c", "http://d"])
     assert joined == ["http://a", "http://d"]
+
+
+async def test_the_probe_interval_runs_from_one_ticks_start_to_the_next(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A round of scrapes that takes time (many engines) does not stretch the interval; one
+    that takes longer than it is followed by the next at once."""
+    import asyncio
+
+    from misat_router import scrape
+
+    now = [100.0]
+    tick_costs = iter([0.1, 0.05, 0.4, 0.0])
+    waits: list[float] = []
+    stop = asyncio.Event()
+
+    async def tick() -> None:
+        now[0] += next(tick_costs)
+
+    async def wait_event(event: asyncio.Event, timeout_s: float) -> bool:
+        waits.append(timeout_s)
+        now[0] += timeout_s
+        if len(waits) == 4:
+            stop.set()
+        return stop.is_set()
+
+    monkeypatch.setattr(scrape, "wait_event", wait_event)
+    await scrape.every(stop, lambda: 0.25, tick, lambda: now[0])
+    assert waits == pytest.approx([0.15, 0.2, 0.0, 0.25])
