@@ -50,7 +50,6 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from enum import StrEnum
-from importlib import resources
 from pathlib import Path
 from subprocess import Popen
 
@@ -173,7 +172,9 @@ def metrics_page(engine_index: int, page: MetricsPage = MetricsPage.MINIMAL) -> 
 
 def _recorded_lines_except(names: set[str]) -> list[str]:
     """The recorded vLLM page without the samples and comments of ``names``."""
-    recorded = resources.files("misat_bench").joinpath(RECORDED_VLLM_PAGE).read_text()
+    # Next to this file (not by package name: run as a file with another tree's PYTHONPATH, the
+    # package would be that tree's).
+    recorded = (Path(__file__).parent / RECORDED_VLLM_PAGE).read_text()
     kept = []
     for line in recorded.splitlines():
         words = line.split()
@@ -664,6 +665,9 @@ FUNCTION_REPEATS = 5
 """Timings of the hot functions: the best of this many loops (the least disturbed by the machine)."""
 
 
+PAGE_CALLS_DIVISOR = 10
+"""``--functions N`` parses the stubs' /metrics page N / this many times per loop."""
+
 LONG_ANSWER_TOKENS = 256
 """The long answer timed beside the stub's: this many tokens with top-5 logprobs (about 18 KB)."""
 
@@ -707,13 +711,17 @@ def time_hot_functions(s: ProxyBenchSettings, calls: int) -> dict[str, float]:
     headers = CIMultiDict({"Host": "127.0.0.1", "Content-Type": "application/json", "User-Agent": "wrk"})
     meta = RequestMeta("r", "rlvr", prompt_tokens=s.prompt_tokens)
 
-    def best(call: Callable[[int], object]) -> float:
+    from misat_router.vllm_metrics import parse_vllm_page
+
+    page = metrics_page(0, s.metrics_page)
+
+    def best(call: Callable[[int], object], n: int = calls) -> float:
         times = []
         for _ in range(FUNCTION_REPEATS):
             t0 = time.process_time()
-            for i in range(calls):
+            for i in range(n):
                 call(i)
-            times.append((time.process_time() - t0) / calls * 1e6)
+            times.append((time.process_time() - t0) / n * 1e6)
         return min(times)
 
     return {
@@ -723,6 +731,10 @@ def time_hot_functions(s: ProxyBenchSettings, calls: int) -> dict[str, float]:
         "usage_from_json_us": best(lambda i: usage_from_json(answer, meta, True)),
         f"usage_from_json_{LONG_ANSWER_TOKENS}_tokens_logprobs_us": best(
             lambda i: usage_from_json(long_answer, meta, True)),
+        # Once per scrape, not per request: a tenth of the calls (a full parse of a real page
+        # takes milliseconds).
+        f"parse_vllm_page_{s.metrics_page.value}_us": best(lambda i: parse_vllm_page(page),
+                                                           max(1, calls // PAGE_CALLS_DIVISOR)),
     }
 
 
@@ -784,7 +796,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", type=float, default=d.profile_s, metavar="SECONDS",
                    help="py-spy each router process this long after the rounds (0: none)")
     p.add_argument("--functions", type=int, default=0, metavar="CALLS",
-                   help="only time the per-request parsing functions, CALLS calls each (no HTTP run)")
+                   help="only time the per-request parsing functions, CALLS calls each, and the /metrics "
+                   "page's parse (no HTTP run)")
     p.add_argument("--out", type=Path, default=Path("out/proxy_bench"))
     return p
 

@@ -265,7 +265,7 @@ def parse_vllm_page(text: str) -> tuple[VllmMetrics, bool]:
 
     Only the lines of the series read here are parsed and checked: a real
     vLLM page holds about 600 lines (histogram buckets, process metrics) and a
-    full parse of it took about 13 ms of the router's one event loop, four
+    full parse of it took about 8 ms of the router's one event loop, four
     times a second per engine (docs/scale.md, "Watching many engines"). So a
     malformed or non-finite line of a series the router does not read does
     not fail the scrape. Counters are read by their ``_total`` sample names,

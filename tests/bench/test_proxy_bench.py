@@ -61,7 +61,8 @@ def test_long_answer_usage_is_read_exactly() -> None:
 def test_hot_functions_are_timed() -> None:
     from misat_bench.proxy_bench import ProxyBenchSettings, time_hot_functions
     times = time_hot_functions(ProxyBenchSettings(prompts=2, prompt_tokens=64), calls=5)
-    assert set(times) == {"parse_request_us", "usage_from_json_us", "usage_from_json_256_tokens_logprobs_us"}
+    assert set(times) == {"parse_request_us", "usage_from_json_us", "usage_from_json_256_tokens_logprobs_us",
+                          "parse_vllm_page_vllm_us"}
     assert all(v > 0 for v in times.values())
 
 
