@@ -231,8 +231,9 @@ _ESCAPE = re.compile(r"\\(.)")
 _UNESCAPED = {"\\": "\\", "n": "\n", '"': '"'}
 
 
-def _unescape(value: str) -> str:
-    value = value[1:-1]
+def _unescape(quoted: str) -> str:
+    """A label value as written (in quotes, with ``\\\\``, ``\\"`` and ``\\n`` escapes) as a string."""
+    value = quoted[1:-1]
     return _ESCAPE.sub(lambda m: _UNESCAPED.get(m.group(1), m.group(0)), value) if "\\" in value else value
 
 
