@@ -7,13 +7,18 @@ A scraped page is parsed by the vLLM metrics contract
 ``health_interval_s`` and a metrics scrape of every healthy engine each
 ``scrape_interval_s``. Each tick probes all engines concurrently, with a
 per-probe timeout, and after a scrape tick tells its owner once (so the
-policy's ``on_metrics`` sees one consistent mapping per tick). Intervals are
-read from the current config on every tick, so a reload takes effect at once.
+policy's ``on_metrics`` sees one consistent mapping per tick). A scrape tick
+waits for its scrapes at most one interval: a slow engine's scrape (up to
+``scrape_timeout_s``) goes on in the background and is not started again
+while it runs, so one slow ``/metrics`` does not make every engine's
+readings older. Intervals are read from the current config on every tick,
+so a reload takes effect at once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Awaitable, Callable
 
@@ -41,6 +46,8 @@ class EngineProbes:
         self._config = config
         self._clock = clock
         self._on_scraped = on_scraped
+        self._scraping: dict[str, asyncio.Task[None]] = {}
+        """Scrapes in flight by engine (one at most each)."""
 
     async def check_health(self, engine_id: str) -> None:
         cfg = self._config()
@@ -96,14 +103,33 @@ class EngineProbes:
 
     async def scrape_tick(self) -> None:
         healthy = [e for e in self._registry.ids() if (st := self._registry.get(e)) and st.healthy]
-        await asyncio.gather(*(self.scrape(e) for e in healthy))
+        for e in healthy:
+            if e not in self._scraping:
+                task = asyncio.create_task(self.scrape(e), name=f"scrape {e}")
+                self._scraping[e] = task
+                task.add_done_callback(functools.partial(self._scrape_done, e))
+        pending = [t for e in healthy if (t := self._scraping.get(e)) is not None]
+        if pending:
+            await asyncio.wait(pending, timeout=self._config().scrape_interval_s)
         self._on_scraped()
+
+    def _scrape_done(self, engine_id: str, task: asyncio.Task[None]) -> None:
+        if self._scraping.get(engine_id) is task:
+            del self._scraping[engine_id]
+        if not task.cancelled() and (exc := task.exception()) is not None:  # a bug: scrape catches I/O errors
+            log.error("scrape of %s failed", engine_id, exc_info=exc)
 
     async def run_health(self, stop: asyncio.Event) -> None:
         await every(stop, lambda: self._config().health_interval_s, self.health_tick, self._clock)
 
     async def run_scrape(self, stop: asyncio.Event) -> None:
-        await every(stop, lambda: self._config().scrape_interval_s, self.scrape_tick, self._clock)
+        try:
+            await every(stop, lambda: self._config().scrape_interval_s, self.scrape_tick, self._clock)
+        finally:
+            in_flight = list(self._scraping.values())
+            for task in in_flight:
+                task.cancel()
+            await asyncio.gather(*in_flight, return_exceptions=True)
 
 
 async def wait_event(event: asyncio.Event, timeout_s: float) -> bool:

@@ -103,3 +103,20 @@ async def test_never_scraped_engine_keeps_the_policy_event_log_bounded(misbehavi
     hits = bad.metrics_hits
     await bad.wait_metrics_hits(hits + 3)
     await r.wait(lambda: len(r.state.runner.policy._events.get(bad.url, ())) < 10)
+
+
+async def test_a_slow_metrics_page_does_not_make_the_other_engines_readings_older(misbehaving, make_router) -> None:
+    """One scrape hangs (its timeout is long); the other engine is still scraped every tick, and the
+    hanging scrape is not started again while it runs."""
+    good, bad = await misbehaving(2)
+    r = await make_router(router_config([good.url, bad.url], policy_settings=POLICY,
+                                        scrape_interval_s=0.02, scrape_timeout_s=60.0))
+    reg = r.state.registry
+    await r.wait(lambda: all(reg.get(e.url).metrics is not None for e in (good, bad)))
+    bad.metrics_mode = "slow"
+    await r.wait(lambda: bad.metrics_stuck == 1)
+    # Bounded by the fake engine's wait (seconds): waiting for the slow scrape's timeout instead
+    # would give the good engine no new scrape in that time.
+    await good.wait_metrics_hits(good.metrics_hits + 20)
+    assert bad.metrics_stuck == 1
+    assert reg.get(bad.url).healthy and reg.get(bad.url).scrape_failed_at is None

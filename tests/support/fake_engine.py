@@ -27,7 +27,7 @@ Hooks (attributes a test sets while the engine runs):
 
 Counters: ``generations`` (every generation request that arrived), ``requests`` and
 ``headers`` (those with a JSON body), ``cancelled`` (aborted by their client mid-answer),
-``in_flight``, ``metrics_hits``, ``prefix_resets``, ``prefix_queries``, ``prefix_hits``;
+``in_flight``, ``metrics_hits``, ``metrics_stuck``, ``prefix_resets``, ``prefix_queries``, ``prefix_hits``;
 ``wait_arrivals``, ``wait_cancelled`` and ``wait_metrics_hits`` wait on them, bounded.
 """
 
@@ -131,6 +131,8 @@ class FakeEngine:
         self.cancelled = 0
         self.in_flight = 0
         self.metrics_hits = 0
+        self.metrics_stuck = 0
+        """``/metrics`` requests held by the ``slow`` mode right now."""
         self.prefix_resets = 0
         self.prefix_queries = 0
         self.prefix_hits = 0
@@ -231,7 +233,11 @@ class FakeEngine:
         self.metrics_hits += 1
         self._hit.set()
         if self.metrics_mode == "slow":
-            await self._never.wait()
+            self.metrics_stuck += 1
+            try:
+                await self._never.wait()
+            finally:
+                self.metrics_stuck -= 1
         body = METRICS_MODES[self.metrics_mode]
         if body is None:
             body = self.metrics_text()
