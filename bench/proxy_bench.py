@@ -5,7 +5,7 @@ process forwards when the engines cost nothing, side by side with the real vLLM 
 binary on the same stubs in the same round.
 
 - Stub engines: one nginx (Debian package; ``scripts/system-packages.sh`` installs it)
-  serving two ports with fixed vLLM-shaped answers: ``/v1/completions`` (a JSON answer
+  serving ``engines`` ports (2 by default) with fixed vLLM-shaped answers: ``/v1/completions`` (a JSON answer
   with ``usage``), ``/v1/models``, ``/health``, and a ``/metrics`` page with the vLLM
   series the router scrapes (``misat_router.vllm_metrics``), so both routers see two
   healthy, idle engines with a large KV cache. The page is a real vLLM's (``vllm``:
@@ -117,7 +117,8 @@ class ProxyBenchSettings(BaseModel):
     prompt_tokens: int = Field(512, ge=1, description="token ids per prompt")
     prompts: int = Field(64, ge=1, description="distinct prompts the load cycles over")
     seed: int = 0
-    stub_workers: int = Field(1, ge=1, description="nginx worker processes serving both stubs")
+    stub_workers: int = Field(1, ge=1, description="nginx worker processes serving the stubs")
+    engines: int = Field(2, ge=1, description="stub engines (one nginx port each); the direct row measures the first")
     metrics_page: MetricsPage = Field(MetricsPage.VLLM, description="the stubs' /metrics page")
     binary_policies: tuple[str, ...] = BINARY_POLICIES
     policies: tuple[str, ...] = POLICIES
@@ -351,7 +352,7 @@ class Target:
 
 
 def misat_config(urls: list[str], policy: str) -> dict[str, object]:
-    """This router's config: the two stubs, one unlabelled class, the named policy."""
+    """This router's config: the stubs, one unlabelled class, the named policy."""
     return {
         "model": MODEL,
         "engines": {"urls": urls},
@@ -647,7 +648,8 @@ def markdown_table(summaries: list[TargetSummary], s: ProxyBenchSettings) -> str
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + (f"\n\nMedian (min-max) over {s.rounds} interleaved rounds; {s.duration_s:g} s at "
                                f"{s.connections} connections, {s.latency_duration_s:g} s at 1; "
-                               f"{s.prompt_tokens}-token prompts, wrk with {s.threads} thread(s); "
+                               f"{s.prompt_tokens}-token prompts, {s.engines} stub engines, "
+                               f"wrk with {s.threads} thread(s); "
                                f"the stubs' /metrics: {s.metrics_page.value}.\n")
 
 
@@ -753,7 +755,7 @@ async def run(s: ProxyBenchSettings, out_dir: Path) -> ProxyBenchResult:
         work = Path(tmp)
         script = work / "load.lua"
         script.write_text(wrk_script([request_body(p) for p in prompts(s.prompts, s.prompt_tokens, s.seed)]))
-        with stub_engines(s, work, log_dir) as urls:
+        with stub_engines(s, work, log_dir, count=s.engines) as urls:
             async with AsyncExitStack() as stack:
                 targets = await stack.enter_async_context(running_targets(s, urls, work, log_dir, binary))
                 measurements = await measure(targets, s, script)
@@ -785,6 +787,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=d.threads, help="wrk threads")
     p.add_argument("--prompt-tokens", type=int, default=d.prompt_tokens)
     p.add_argument("--stub-workers", type=int, default=d.stub_workers)
+    p.add_argument("--engines", type=int, default=d.engines, help="stub engines every target routes over")
     p.add_argument("--metrics-page", choices=[m.value for m in MetricsPage], default=d.metrics_page.value,
                    help="the stubs' /metrics: a real vLLM page (vllm) or only the series the router reads")
     p.add_argument("--policies", default=",".join(d.policies), help="this router's policies, comma-separated")
@@ -808,7 +811,7 @@ def main(argv: list[str] | None = None) -> int:
     s = ProxyBenchSettings(
         rounds=args.rounds, duration_s=args.duration, latency_duration_s=args.latency_duration,
         connections=args.connections, threads=args.threads, prompt_tokens=args.prompt_tokens,
-        stub_workers=args.stub_workers, metrics_page=MetricsPage(args.metrics_page),
+        stub_workers=args.stub_workers, engines=args.engines, metrics_page=MetricsPage(args.metrics_page),
         policies=tuple(x for x in args.policies.split(",") if x),
         binary_policies=tuple(x for x in args.binary_policies.split(",") if x),
         extra_routers=parse_extra(args.extra_router), profile_s=args.profile,
