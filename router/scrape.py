@@ -20,7 +20,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
 
 import aiohttp
 
@@ -126,10 +127,7 @@ class EngineProbes:
         try:
             await every(stop, lambda: self._config().scrape_interval_s, self.scrape_tick, self._clock)
         finally:
-            in_flight = list(self._scraping.values())
-            for task in in_flight:
-                task.cancel()
-            await asyncio.gather(*in_flight, return_exceptions=True)
+            await cancel_all(list(self._scraping.values()))
 
 
 async def wait_event(event: asyncio.Event, timeout_s: float) -> bool:
@@ -145,6 +143,14 @@ async def wait_event(event: asyncio.Event, timeout_s: float) -> bool:
     except TimeoutError:
         return False
     return True
+
+
+async def cancel_all(tasks: Iterable[asyncio.Task[Any]]) -> None:
+    """Cancel ``tasks`` and wait until every one has ended (whatever it raised)."""
+    tasks = list(tasks)
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def every(

@@ -40,6 +40,7 @@ from misat_bench.fidelity import M_PREEMPTIONS, M_PREFIX_HITS, M_PREFIX_QUERIES,
 from misat_bench.real_vllm import CPU_BLOCK_SIZE, RunningServer
 from misat_router.app import create_app
 from misat_router.config import RouterConfig
+from misat_router.scrape import cancel_all
 from misat_router.service import start_service
 from misat_router.state import STATE
 from misat_sim.trainer import Trainer, TrainerConfig
@@ -729,9 +730,7 @@ async def test_hot_reload_of_admission_settings_keeps_open_streams(
             async with asyncio.timeout(300):
                 results = await asyncio.gather(*tasks)
         finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await cancel_all(tasks)
 
         # Knobs apply in place (what the policy learned survives) or by a rebuild; either way applied.
         assert answer["applied"] is True and "policy" in answer["changes"]
@@ -819,9 +818,7 @@ async def test_a_keep_pause_freezes_streams_on_real_vllm_and_the_resume_finishes
             async with asyncio.timeout(300):
                 results = await asyncio.gather(*tasks)
         finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await cancel_all(tasks)
         assert paused["mode"] == "keep" and paused["aborted_requests"] == 0 and paused["requests_in_flight"] >= 2
         assert frozen and set(frozen) <= set(vllm_base_urls)
         assert all(engines_paused[u] for u in frozen), engines_paused  # vLLM's own word
@@ -963,9 +960,7 @@ async def test_engine_killed_mid_run_requests_end_cleanly_and_accounting_drains(
                 await asyncio.gather(*tasks)
             victim.process.wait(timeout=30)
         finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await cancel_all(tasks)
         survivor = next(u for u in urls if u != victim.base_url)
 
         total = KILL_STREAMS + KILL_JSON + KILL_SESSIONS * KILL_TURNS
