@@ -19,6 +19,12 @@ inputs of the rule that picks the default (docs/policy.md).
 each variant and the default (``session-admission``) at the cell's high ceiling on the same
 seeded sessions, and each variant's ratio to the default paired by seed; no oracle point runs.
 
+``--held-out SEEDS`` (seeds other than 0, 1, 2): every tuned value was chosen on seeds 0, 1, 2 (each
+cell's oracle ceiling, tuned-once, the request limit, and the default policy by docs/policy.md's
+rule), so each is the best of several noisy candidates there, and its figures on those seeds carry
+that selection. On new seeds (new sessions) the cell's oracle ceiling and tuned-once run beside the
+variants, and every ratio is out of sample: what a user who tuned on earlier runs gets.
+
 The oracle is the cell's (``misat bench``'s ``oracle`` row): the ceiling with
 the best mean over seeds. v2's sweeps refined around each seed's best point,
 so here every seed runs at each of the three per-seed best ceilings v2 found,
@@ -77,6 +83,33 @@ V2_ORACLE_CEILINGS: dict[str, tuple[int, ...]] = {
 }
 """Each cell's oracle ceiling per seed (0, 1, 2) as benchmark v2 found it (docs/benchmark.md,
 "Results (v2)": the oracle rows' "each seed's best")."""
+CELL_ORACLE_CEILINGS: dict[str, int] = {
+    "steady@paper:4": 200,
+    "steady@agentic70:4": 176,
+    "steady@rlvr70:4": 240,
+    "steady@rlhf70:4": 280,
+    "steady@agentic10:4": 272,
+    "steady@rlvr10:4": 232,
+    "steady@rlhf10:4": 192,
+    "length-drift@paper:4": 152,
+    "mix-shift@paper:4": 160,
+    "kv-half@paper:4": 112,
+    "kv-double@paper:4": 416,
+    "iterations@paper:4": 224,
+    "steady@paper:16": 816,
+    "steady@rlvr70:16": 952,
+    "steady@rlhf70:16": 1240,
+    "steady@agentic10:16": 1152,
+    "steady@rlhf10:16": 800,
+    "steady@rlvr10:16": 880,
+    "steady@agentic70:16": 712,
+}
+"""Each cell's oracle as ``--cell-oracle`` found it on the seeds of ``V2_ORACLE_CEILINGS`` (0, 1, 2):
+the ``cache_aware`` ceiling with the best mean over them (docs/benchmark.md, "The oracle per cell"
+and "The default on 16 engines"). ``--held-out`` runs it on other seeds."""
+TUNED_SEEDS: tuple[int, ...] = (0, 1, 2)
+"""The seeds every tuned value here was chosen on: the oracle ceilings, tuned-once, the request
+limit, and the default policy itself (docs/policy.md's rule read the matrix on them)."""
 MATRIX_ENGINES = 4
 """The cells the default is chosen on (without ``--cells``): the twelve on this many engines."""
 V2_TUNED_ONCE_CEILING = 200
@@ -108,9 +141,40 @@ def baseline_runs(s: BenchSettings, cells: list[Cell]) -> list[RunSpec]:
     for cell in cells:
         for seed, ceiling in zip(s.seeds, V2_ORACLE_CEILINGS[cell.id], strict=True):
             runs.append(sweep_run(cell, seed, ceiling))
-            if cell.workload in CHANGING_WORKLOADS:
-                runs.append(_spec(cell, seed, Baseline.TUNED_ONCE, cache_aware(), V2_TUNED_ONCE_CEILING,
-                                  f"cache_aware @{V2_TUNED_ONCE_CEILING} (tuned-once)"))
+            runs += tuned_once_runs(cell, (seed,))
+    return runs
+
+
+def tuned_once_runs(cell: Cell, seeds: tuple[int, ...]) -> list[RunSpec]:
+    """tuned-once (``cache_aware`` at v2's steady@paper:4 best) on ``seeds``; changing workloads only."""
+    if cell.workload not in CHANGING_WORKLOADS:
+        return []
+    return [_spec(cell, seed, Baseline.TUNED_ONCE, cache_aware(), V2_TUNED_ONCE_CEILING,
+                  f"cache_aware @{V2_TUNED_ONCE_CEILING} (tuned-once)") for seed in seeds]
+
+
+def held_out_settings(s: BenchSettings, seeds: tuple[int, ...]) -> BenchSettings:
+    """``s`` on ``seeds``, which must be new: none of ``TUNED_SEEDS``, where every tuned value was chosen."""
+    reused = sorted(set(seeds) & set(TUNED_SEEDS))
+    if reused:
+        raise ValueError(f"held-out seeds must be new: {', '.join(map(str, reused))} "
+                         f"{'is' if len(reused) == 1 else 'are'} among the seeds the oracle ceilings, "
+                         f"tuned-once and the default were chosen on ({', '.join(map(str, TUNED_SEEDS))})")
+    if not seeds:
+        raise ValueError("no held-out seed given")
+    return s.model_copy(update={"seeds": tuple(seeds)})
+
+
+def held_out_runs(s: BenchSettings, cells: list[Cell]) -> list[RunSpec]:
+    """Every cell's oracle ceiling (``CELL_ORACLE_CEILINGS``) and tuned-once on each of ``s.seeds``
+    (held-out seeds): the tuned baselines as a user gets them, tuned on other sessions."""
+    runs: list[RunSpec] = []
+    for cell in cells:
+        ceiling = CELL_ORACLE_CEILINGS.get(cell.id)
+        if ceiling is None:
+            raise ValueError(f"no cell oracle for {cell.id!r}; known: {', '.join(CELL_ORACLE_CEILINGS)}")
+        runs += [sweep_run(cell, seed, ceiling) for seed in s.seeds]
+        runs += tuned_once_runs(cell, s.seeds)
     return runs
 
 
@@ -172,14 +236,15 @@ def _mean(values: list[float]) -> float:
 
 
 def report(s: BenchSettings, cells: list[Cell], policies: list[str], records: dict[str, RunRecord],
-           limits: bool = False, cell_oracle: dict[str, int] | None = None) -> str:
+           limits: bool = False, cell_oracle: dict[str, int] | None = None, held_out: bool = False) -> str:
     """The per-cell table and the rule's inputs, per policy, as markdown (with ``limits``, the paired
     ratios to request-limit and high-load too; with ``cell_oracle`` (cell id -> ceiling), the oracle
-    is each cell's best ceiling on the mean over seeds and v2's per-seed oracle is a column beside it)."""
+    is each cell's best ceiling on the mean over seeds and v2's per-seed oracle is a column beside it;
+    with ``held_out``, ``s.seeds`` are new seeds and the oracle is ``CELL_ORACLE_CEILINGS`` run on them)."""
     def rates(specs: list[RunSpec]) -> dict[int, float]:
         return {sp.seed_of(s): records[k].metrics.mixture_rate_per_min for sp in specs if (k := sp.key(s)) in records}
 
-    per_cell_oracle = cell_oracle is not None
+    per_cell_oracle = cell_oracle is not None and not held_out
     out: list[str] = []
     for p in policies:
         out += [f"### {p}", "",
@@ -193,20 +258,24 @@ def report(s: BenchSettings, cells: list[Cell], policies: list[str], records: di
         once_means: list[float] = []
         limit_means: dict[Baseline, list[float]] = {Baseline.REQUEST_LIMIT: [], Baseline.HIGH_LOAD: []}
         for cell in cells:
-            base = baseline_runs(s, [cell])
             mine_specs = variant_runs(s, [cell], [p])
             mine = rates(mine_specs)
-            per_seed_oracle = rates([b for b in base if b.baseline is Baseline.SWEEP])
-            oracle = per_seed_oracle
             per_seed_text = ""
-            if cell_oracle is not None:
+            if held_out:
+                oracle = rates([sweep_run(cell, seed, CELL_ORACLE_CEILINGS[cell.id]) for seed in s.seeds])
+                once = rates(tuned_once_runs(cell, s.seeds))
+            else:
+                base = baseline_runs(s, [cell])
+                per_seed_oracle = rates([b for b in base if b.baseline is Baseline.SWEEP])
+                oracle = per_seed_oracle
+                once = rates([b for b in base if b.baseline is Baseline.TUNED_ONCE])
+            if cell_oracle is not None and not held_out:
                 ceiling = cell_oracle.get(cell.id)
                 oracle = rates([sweep_run(cell, seed, ceiling) for seed in s.seeds]) if ceiling else {}
                 ps = paired_ratio(mine, per_seed_oracle)
                 if ps is not None:
                     per_seed_ratios.append((cell.id, ps))
                 per_seed_text = f" {_with_verdict(ps)} |"
-            once = rates([b for b in base if b.baseline is Baseline.TUNED_ONCE])
             r = paired_ratio(mine, oracle)
             if r is None or not mine:
                 out.append(f"| {cell.id} | not run | | | | | | | |")
@@ -234,6 +303,9 @@ def report(s: BenchSettings, cells: list[Cell], policies: list[str], records: di
             worst = min(ratios, key=lambda x: x[1].mean)
             line = (f"Mean over {len(ratios)} cells {_mean([r.mean for _, r in ratios]):.3f}x, "
                     f"worst {worst[0]} {worst[1].mean:.3f}x")
+            if held_out:
+                line += (f" (held-out seeds {', '.join(map(str, s.seeds))}; oracle: each cell's ceiling "
+                         f"chosen on seeds {', '.join(map(str, TUNED_SEEDS))})")
             if per_seed_ratios:
                 ps_worst = min(per_seed_ratios, key=lambda x: x[1].mean)
                 line += (f" (oracle: each cell's best ceiling on the mean over seeds); against the per-seed oracle "
@@ -321,6 +393,11 @@ def main() -> None:
                     "per-seed oracle beside it")
     ap.add_argument("--cell-oracle-points", type=int, default=CELL_ORACLE_MAX_POINTS,
                     help="ceilings added around the best mean at most, per cell")
+    ap.add_argument("--held-out", default="", metavar="SEEDS",
+                    help="instead of the oracle search: new seeds (none of "
+                    + ", ".join(map(str, TUNED_SEEDS)) + ", where the oracle ceilings, tuned-once and the default "
+                    "were chosen), each cell's oracle ceiling and tuned-once run on them beside the variants: "
+                    "every tuned value measured out of sample")
     ap.add_argument("--against-default", default="", metavar="CELLS",
                     help=f"instead: the variants and {PAIRED_BASE} on these cells (any of the suite's, e.g. "
                     "steady@paper:16,steady@rlvr70:16), each variant's ratio to it paired by seed, no oracle")
@@ -344,6 +421,23 @@ def main() -> None:
               f"{rec.metrics.mixture_rate_per_min:.1f}/min ({rec.cpu_s:.0f} CPU-s)", flush=True)
 
     cache = RunCache(args.out / "cache")
+    if args.held_out:
+        if args.cell_oracle:
+            ap.error("--held-out runs the cell oracles found on the tuned seeds; --cell-oracle searches them")
+        parts = [x.strip() for x in args.held_out.split(",") if x.strip()]
+        if not all(x.isdigit() for x in parts):
+            ap.error(f"--held-out: seeds are comma-separated non-negative integers, got {args.held_out!r}")
+        try:
+            s = held_out_settings(s, tuple(int(x) for x in parts))
+        except ValueError as e:
+            ap.error(f"--held-out: {e}")
+        specs = held_out_runs(s, cells) + (limit_runs(s, cells) if args.limits else []) + variant_runs(
+            s, cells, policies)
+        by_key = {r.key: r for r in run_all(specs, s, jobs=args.jobs, cache=cache, on_done=done)}
+        print()
+        print(report(s, cells, policies, by_key, limits=args.limits, cell_oracle=CELL_ORACLE_CEILINGS,
+                     held_out=True))
+        return
     specs = baseline_runs(s, cells) + (limit_runs(s, cells) if args.limits else []) + variant_runs(s, cells, policies)
     by_key = {r.key: r for r in run_all(specs, s, jobs=args.jobs, cache=cache, on_done=done)}
     cell_oracle: dict[str, int] | None = None

@@ -4,15 +4,23 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
+from misat_bench.cluster_runs import RunMetrics, RunRecord
 from misat_bench.suite import CEILING_ROUNDING, Baseline, BenchSettings, RunSpec, sweep_run
 from misat_bench.variant_check import (
+    CELL_ORACLE_CEILINGS,
     TUNED_REQUEST_LIMITS,
+    TUNED_SEEDS,
     V2_ORACLE_CEILINGS,
     V2_TUNED_ONCE_CEILING,
     V2_TUNED_REQUEST_LIMIT,
     baseline_runs,
     cell_oracle_runs,
+    held_out_runs,
+    held_out_settings,
     limit_runs,
+    report,
     select_cells,
     variant_runs,
 )
@@ -115,3 +123,65 @@ def test_a_large_fleets_request_limit_is_the_one_tuned_on_that_fleet() -> None:
     limit = [r for r in limit_runs(s, cells) if r.baseline is Baseline.REQUEST_LIMIT]
     assert {r.policy.concurrency_limit for r in limit} == {TUNED_REQUEST_LIMITS[16]} == {1024}
     assert TUNED_REQUEST_LIMITS[4] == V2_TUNED_REQUEST_LIMIT
+
+
+def test_every_cell_oracle_lies_between_its_seeds_own_best_ceilings() -> None:
+    """The search ran inside the span of v2's per-seed best ceilings (the large fleet's from its own sweeps):
+    a recorded oracle outside it, or a cell without one, is a typo."""
+    assert set(CELL_ORACLE_CEILINGS) == set(V2_ORACLE_CEILINGS)
+    for cell, ceiling in CELL_ORACLE_CEILINGS.items():
+        per_seed = V2_ORACLE_CEILINGS[cell]
+        assert min(per_seed) <= ceiling <= max(per_seed), cell
+        assert ceiling % CEILING_ROUNDING == 0, cell
+
+
+def test_held_out_seeds_must_be_new() -> None:
+    s = BenchSettings(large_fleet_engines=())
+    assert held_out_settings(s, (3, 4, 5)).seeds == (3, 4, 5)
+    with pytest.raises(ValueError, match="2 is among the seeds"):
+        held_out_settings(s, (2, 3))
+    with pytest.raises(ValueError, match="no held-out seed"):
+        held_out_settings(s, ())
+    assert set(TUNED_SEEDS) == set(s.seeds), "the tuned seeds are the suite's default seeds"
+
+
+def test_held_out_runs_are_the_cell_oracle_and_tuned_once_on_the_new_seeds_with_the_suites_keys() -> None:
+    s, cells = select_cells(["steady@rlvr70:4", "kv-half@paper:4"])
+    held = held_out_settings(s, (3, 4))
+    runs = held_out_runs(held, cells)
+    by_cell = {c.id: c for c in cells}
+    oracle = [r for r in runs if r.baseline is Baseline.SWEEP]
+    assert [(r.cell(held).id, r.seed_of(held), r.ceiling) for r in oracle] == [
+        (cid, seed, CELL_ORACLE_CEILINGS[cid]) for cid in ("steady@rlvr70:4", "kv-half@paper:4") for seed in (3, 4)]
+    assert [r.key(held) for r in oracle] == [
+        sweep_run(by_cell[r.cell(held).id], r.seed_of(held), r.ceiling).key(held) for r in oracle]
+    once = [r for r in runs if r.baseline is Baseline.TUNED_ONCE]
+    assert [(r.cell(held).id, r.seed_of(held)) for r in once] == [("kv-half@paper:4", 3), ("kv-half@paper:4", 4)]
+    assert {r.ceiling for r in once} == {V2_TUNED_ONCE_CEILING}
+
+
+def _record(spec: RunSpec, s: BenchSettings, rate: float) -> RunRecord:
+    metrics = RunMetrics(
+        mixture_rate_per_min=rate, sample_rate_per_min=rate, requests_per_min=rate, prefill_tokens_per_s=1.0,
+        decode_tokens_per_s=1.0, prefix_hit_rate=0.8, ideal_prefix_hit_rate=0.9, tv_points=0.5,
+        tv_noise_points=1.0, preemptions=0, mean_kv_usage=0.5, units_completed={"rlvr": 1}, measured_s=360.0,
+        window_start_s=600.0, converged=True, warmup_ok=True, window_s=60.0, class_series=[])
+    return RunRecord(key=spec.key(s), spec=spec, metrics=metrics, cpu_s=1.0, wall_s=1.0)
+
+
+def test_the_held_out_report_pairs_each_variant_with_the_cell_oracle_on_the_same_new_seed() -> None:
+    s, cells = select_cells(["kv-half@paper:4"])
+    held = held_out_settings(s, (3, 4, 5))
+    oracle_rate = {3: 100.0, 4: 120.0, 5: 80.0}
+    records: dict[str, RunRecord] = {}
+    for spec in held_out_runs(held, cells):
+        rate = oracle_rate[spec.seed_of(held)] * (1.0 if spec.baseline is Baseline.SWEEP else 0.5)
+        records[spec.key(held)] = _record(spec, held, rate)
+    for spec in variant_runs(held, cells, ["session-admission"]):
+        records[spec.key(held)] = _record(spec, held, 1.1 * oracle_rate[spec.seed_of(held)])
+    text = report(held, cells, ["session-admission"], records, cell_oracle=CELL_ORACLE_CEILINGS, held_out=True)
+    row = next(line for line in text.splitlines() if line.startswith("| kv-half@paper:4"))
+    assert "1.10x" in row and "win" in row  # 1.1 on every seed: a zero-width interval above 1
+    assert "2.20x" in row  # against tuned-once (half the oracle's rate on each seed)
+    assert "held-out seeds 3, 4, 5" in text
+    assert "x oracle per seed" not in text  # v2's per-seed oracles belong to the tuned seeds
