@@ -479,6 +479,8 @@ class Measurement(BaseModel):
     load: WrkResult
     latency: WrkResult | None
     cpu_s: float | None = Field(None, description="the target process's CPU seconds during the load run")
+    latency_cpu_s: float | None = Field(
+        None, description="the target process's CPU seconds during the one-connection run")
 
     @property
     def valid(self) -> bool:
@@ -494,9 +496,12 @@ async def measure(targets: list[Target], s: ProxyBenchSettings, script: Path) ->
             cpu0 = cpu_seconds(t.pid) if t.pid is not None else None
             load = await run_wrk(t.url + "/v1/completions", script, s.connections, s.threads, s.duration_s)
             cpu = cpu_seconds(t.pid) - cpu0 if t.pid is not None and cpu0 is not None else None
+            cpu1 = cpu_seconds(t.pid) if t.pid is not None else None
             latency = (await run_wrk(t.url + "/v1/completions", script, 1, 1, s.latency_duration_s)
                        if s.latency_duration_s > 0 else None)
-            m = Measurement(target=t.name, round=r, load=load, latency=latency, cpu_s=cpu)
+            latency_cpu = (cpu_seconds(t.pid) - cpu1 if latency is not None and t.pid is not None
+                           and cpu1 is not None else None)
+            m = Measurement(target=t.name, round=r, load=load, latency=latency, cpu_s=cpu, latency_cpu_s=latency_cpu)
             out.append(m)
             lat = f", p50 at 1 connection {latency.p50_us} us" if latency else ""
             print(f"round {r + 1}/{s.rounds} {t.name:28s} {load.requests_per_s:9.0f} req/s"
@@ -606,6 +611,8 @@ class TargetSummary(BaseModel):
     p99_us: Spread | None = Field(None, description="p99 at one connection")
     added_latency_us: Spread | None = Field(None, description="p50 at one connection minus the stub's, per round")
     cpu_per_request_us: Spread | None = None
+    cpu_per_request_one_conn_us: Spread | None = Field(
+        None, description="CPU per request at one connection: there the target's work is on each request's path")
     errors: int
     valid: bool
 
@@ -631,13 +638,16 @@ def summarise(measurements: list[Measurement]) -> list[TargetSummary]:
                  for rnd in by_round.values()
                  if name in rnd and DIRECT in rnd and rnd[name].latency and rnd[DIRECT].latency]
         cpu = [1e6 * m.cpu_s / m.load.requests for m in rows if m.cpu_s is not None and m.load.requests]
+        cpu1 = [1e6 * m.latency_cpu_s / m.latency.requests for m in rows
+                if m.latency_cpu_s is not None and m.latency is not None and m.latency.requests]
         errors = sum(m.load.errors + (m.latency.errors if m.latency else 0) for m in rows)
         out.append(TargetSummary(
             target=name, requests_per_s=Spread.of([m.load.requests_per_s for m in rows]), ratio_to_binary=ratios,
             p50_us=Spread.of([float(v) for v in p50]) if p50 else None,
             p99_us=Spread.of([float(v) for v in p99]) if p99 else None,
             added_latency_us=Spread.of([float(v) for v in added]) if added and name != DIRECT else None,
-            cpu_per_request_us=Spread.of(cpu) if cpu else None, errors=errors, valid=errors == 0,
+            cpu_per_request_us=Spread.of(cpu) if cpu else None,
+            cpu_per_request_one_conn_us=Spread.of(cpu1) if cpu1 else None, errors=errors, valid=errors == 0,
         ))
     return out
 
@@ -651,12 +661,14 @@ def _fmt(sp: Spread | None, scale: float = 1.0, digits: int = 0) -> str:
 def markdown_table(summaries: list[TargetSummary], s: ProxyBenchSettings) -> str:
     binaries = sorted({b for t in summaries for b in t.ratio_to_binary})
     head = ["target", f"req/s at {s.connections} conn"] + [f"x {b}" for b in binaries] + [
-        "p50 at 1 conn (ms)", "p99 at 1 conn (ms)", "added at 1 conn (ms)", "CPU us/request", "errors"]
+        "p50 at 1 conn (ms)", "p99 at 1 conn (ms)", "added at 1 conn (ms)", "CPU us/request",
+        "CPU us/request at 1 conn", "errors"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for t in summaries:
         cells = [t.target, _fmt(t.requests_per_s)] + [_fmt(t.ratio_to_binary.get(b), digits=2) for b in binaries]
         cells += [_fmt(t.p50_us, 1e-3, 3), _fmt(t.p99_us, 1e-3, 3), _fmt(t.added_latency_us, 1e-3, 3),
-                  _fmt(t.cpu_per_request_us), str(t.errors) + ("" if t.valid else " (INVALID)")]
+                  _fmt(t.cpu_per_request_us), _fmt(t.cpu_per_request_one_conn_us),
+                  str(t.errors) + ("" if t.valid else " (INVALID)")]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + (f"\n\nMedian (min-max) over {s.rounds} interleaved rounds; {s.duration_s:g} s at "
                                f"{s.connections} connections, {s.latency_duration_s:g} s at 1; "

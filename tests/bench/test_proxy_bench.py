@@ -107,13 +107,16 @@ def test_summary_ratios_and_added_latency_are_per_round() -> None:
                Measurement(target="vllm-router cache_aware", round=rnd, load=_wrk(binary, 100),
                            latency=_wrk(5000, 130)),
                Measurement(target="misat misa", round=rnd, load=_wrk(ours, 300), latency=_wrk(2000, 330 + rnd),
-                           cpu_s=ours * 250e-6)]
+                           cpu_s=ours * 250e-6, latency_cpu_s=2000 * (280e-6 + rnd * 20e-6))]
     rows = {t.target: t for t in summarise(ms)}
     ours = rows["misat misa"]
     assert ours.ratio_to_binary["cache_aware"].min == pytest.approx(0.4)
     assert ours.ratio_to_binary["cache_aware"].max == pytest.approx(0.6)
     assert ours.added_latency_us is not None and (ours.added_latency_us.min, ours.added_latency_us.max) == (300, 301)
     assert ours.cpu_per_request_us is not None and ours.cpu_per_request_us.median == pytest.approx(250)
+    one = ours.cpu_per_request_one_conn_us  # the one-connection run's CPU over its own requests
+    assert one is not None and (one.min, one.max) == (pytest.approx(280), pytest.approx(300))
+    assert rows[DIRECT].cpu_per_request_one_conn_us is None
     assert ours.valid and rows[DIRECT].added_latency_us is None
 
 
