@@ -406,6 +406,8 @@ def main() -> None:
     unknown = [p for p in policies if p not in POLICY_VARIANTS]
     if unknown:
         ap.error(f"unknown policy {unknown[0]!r}; known: {', '.join(POLICY_VARIANTS)}")
+    if args.against_default and args.held_out:
+        ap.error("--against-default and --held-out are two different runs; give one")
     if args.against_default:
         print()
         print(against_default(args.against_default, policies, args.jobs, args.out))
