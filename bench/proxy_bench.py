@@ -495,8 +495,8 @@ async def measure(targets: list[Target], s: ProxyBenchSettings, script: Path) ->
         for t in targets:
             cpu0 = cpu_seconds(t.pid) if t.pid is not None else None
             load = await run_wrk(t.url + "/v1/completions", script, s.connections, s.threads, s.duration_s)
-            cpu = cpu_seconds(t.pid) - cpu0 if t.pid is not None and cpu0 is not None else None
             cpu1 = cpu_seconds(t.pid) if t.pid is not None else None
+            cpu = cpu1 - cpu0 if cpu1 is not None and cpu0 is not None else None
             latency = (await run_wrk(t.url + "/v1/completions", script, 1, 1, s.latency_duration_s)
                        if s.latency_duration_s > 0 else None)
             latency_cpu = (cpu_seconds(t.pid) - cpu1 if latency is not None and t.pid is not None

@@ -240,7 +240,8 @@ def report(s: BenchSettings, cells: list[Cell], policies: list[str], records: di
     """The per-cell table and the rule's inputs, per policy, as markdown (with ``limits``, the paired
     ratios to request-limit and high-load too; with ``cell_oracle`` (cell id -> ceiling), the oracle
     is each cell's best ceiling on the mean over seeds and v2's per-seed oracle is a column beside it;
-    with ``held_out``, ``s.seeds`` are new seeds and the oracle is ``CELL_ORACLE_CEILINGS`` run on them)."""
+    with ``held_out``, ``s.seeds`` are new seeds, ``cell_oracle`` is run on them, and there is no per-seed
+    column)."""
     def rates(specs: list[RunSpec]) -> dict[int, float]:
         return {sp.seed_of(s): records[k].metrics.mixture_rate_per_min for sp in specs if (k := sp.key(s)) in records}
 
@@ -261,21 +262,19 @@ def report(s: BenchSettings, cells: list[Cell], policies: list[str], records: di
             mine_specs = variant_runs(s, [cell], [p])
             mine = rates(mine_specs)
             per_seed_text = ""
-            if held_out:
-                oracle = rates([sweep_run(cell, seed, CELL_ORACLE_CEILINGS[cell.id]) for seed in s.seeds])
-                once = rates(tuned_once_runs(cell, s.seeds))
-            else:
-                base = baseline_runs(s, [cell])
-                per_seed_oracle = rates([b for b in base if b.baseline is Baseline.SWEEP])
-                oracle = per_seed_oracle
-                once = rates([b for b in base if b.baseline is Baseline.TUNED_ONCE])
-            if cell_oracle is not None and not held_out:
+            once = rates(tuned_once_runs(cell, s.seeds))
+            # v2's per-seed oracles belong to the tuned seeds: none on held-out ones.
+            per_seed_oracle = {} if held_out else rates(
+                [b for b in baseline_runs(s, [cell]) if b.baseline is Baseline.SWEEP])
+            oracle = per_seed_oracle
+            if cell_oracle is not None:
                 ceiling = cell_oracle.get(cell.id)
                 oracle = rates([sweep_run(cell, seed, ceiling) for seed in s.seeds]) if ceiling else {}
-                ps = paired_ratio(mine, per_seed_oracle)
-                if ps is not None:
-                    per_seed_ratios.append((cell.id, ps))
-                per_seed_text = f" {_with_verdict(ps)} |"
+                if per_cell_oracle:
+                    ps = paired_ratio(mine, per_seed_oracle)
+                    if ps is not None:
+                        per_seed_ratios.append((cell.id, ps))
+                    per_seed_text = f" {_with_verdict(ps)} |"
             r = paired_ratio(mine, oracle)
             if r is None or not mine:
                 out.append(f"| {cell.id} | not run | | | | | | | |")

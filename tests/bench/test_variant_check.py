@@ -185,3 +185,21 @@ def test_the_held_out_report_pairs_each_variant_with_the_cell_oracle_on_the_same
     assert "2.20x" in row  # against tuned-once (half the oracle's rate on each seed)
     assert "held-out seeds 3, 4, 5" in text
     assert "x oracle per seed" not in text  # v2's per-seed oracles belong to the tuned seeds
+
+
+def test_the_in_sample_report_has_the_cell_oracle_and_v2s_per_seed_oracle_beside_it() -> None:
+    s, cells = select_cells(["kv-half@paper:4"])
+    (cell,) = cells
+    records: dict[str, RunRecord] = {}
+    for spec in baseline_runs(s, cells):  # v2's per-seed points and tuned-once
+        rate = 125.0 if spec.baseline is Baseline.SWEEP else 50.0
+        records[spec.key(s)] = _record(spec, s, rate)
+    for seed in s.seeds:  # the cell's oracle ceiling, 112 (seed 2's own v2 point too: the same run)
+        spec = sweep_run(cell, seed, CELL_ORACLE_CEILINGS[cell.id])
+        records[spec.key(s)] = _record(spec, s, 100.0)
+    for spec in variant_runs(s, cells, ["session-admission"]):
+        records[spec.key(s)] = _record(spec, s, 110.0)
+    text = report(s, cells, ["session-admission"], records, cell_oracle=CELL_ORACLE_CEILINGS)
+    row = next(line for line in text.splitlines() if line.startswith("| kv-half@paper:4"))
+    assert "x oracle per seed" in text and "1.10x" in row and "2.20x" in row
+    assert "held-out" not in text
