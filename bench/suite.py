@@ -178,6 +178,17 @@ POLICY_VARIANTS: dict[str, PolicySettings] = {
     "misa-t-hit-memory-cost-check": PolicySettings(
         name=PolicyName.MISA_T,
         admission=SessionAdmissionSettings(healthy_hit_decay=0.9999, degradation_cost_tolerance=0.05)),
+    # Caps sized by what a live session holds on average (Little's law) rather than by the p25
+    # peak, with today's guard: the peak's shape changes when outputs grow to the context limit
+    # (length drift), the time average does not; the long-memory guard is what protects the cache
+    # that the occupancy statistic lost under the short-memory guard. The KV budget either side
+    # sets how much of the KV the live sessions may hold on average.
+    "occupancy": PolicySettings(footprint=FootprintSettings(statistic="occupancy")),
+    "occupancy-budget-0.8": PolicySettings(footprint=FootprintSettings(statistic="occupancy"),
+                                           kv_budget_fraction=0.8),
+    "occupancy-budget-0.7": PolicySettings(footprint=FootprintSettings(statistic="occupancy"),
+                                           kv_budget_fraction=0.7),
+    "misa-t-occupancy": PolicySettings(name=PolicyName.MISA_T, footprint=FootprintSettings(statistic="occupancy")),
 }
 """Policies under test by name, each run at the high ceiling with no per-cell tuning. Add a
 variant here (a T-shape, a footprint estimator) and name it in ``--policies``; a variant equal
