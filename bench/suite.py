@@ -128,23 +128,34 @@ SHORT_MEMORY_GUARD = SessionAdmissionSettings(healthy_hit_decay=0.98, degradatio
 the tolerance counts. The variants that ran with it keep it, so that their published rows reproduce
 after the default moved on (docs/policy.md, "The long memory with the cost check")."""
 
+PEAK_P25 = FootprintSettings(statistic="peak", percentile=25.0)
+"""k_b as the p25 of recent sessions' peak KV: the default footprint until 2026-12-05. The variants
+that ran with it keep it, so that their published rows reproduce (docs/policy.md, "Caps sized by
+KV occupancy")."""
+
 POLICY_VARIANTS: dict[str, PolicySettings] = {
     DEFAULT_POLICY: PolicySettings(),
+    # Each mode with today's defaults: what a RolloutPool's `policy:` runs.
     "misa-t": PolicySettings(name=PolicyName.MISA_T),
     "misa": PolicySettings(name=PolicyName.MISA),
     "session-admission": PolicySettings(name=PolicyName.SESSION_ADMISSION),
+    # The default until 2026-12-05 (the p25 peak footprint, the long-memory guard with the cost
+    # check), and what `policy: misa-t` ran until then.
+    "session-admission-peak": PolicySettings(name=PolicyName.SESSION_ADMISSION, footprint=PEAK_P25),
+    "misa-t-peak": PolicySettings(name=PolicyName.MISA_T, footprint=PEAK_P25),
     # The paper's policy and MISA with the guard they ran under on the matrix before the default changed.
-    "misa-t-short-memory": PolicySettings(name=PolicyName.MISA_T, admission=SHORT_MEMORY_GUARD),
-    "misa-short-memory": PolicySettings(name=PolicyName.MISA, admission=SHORT_MEMORY_GUARD),
+    "misa-t-short-memory": PolicySettings(name=PolicyName.MISA_T, footprint=PEAK_P25, admission=SHORT_MEMORY_GUARD),
+    "misa-short-memory": PolicySettings(name=PolicyName.MISA, footprint=PEAK_P25, admission=SHORT_MEMORY_GUARD),
     "misa-t-cost-check": PolicySettings(
-        name=PolicyName.MISA_T,
+        name=PolicyName.MISA_T, footprint=PEAK_P25,
         admission=SHORT_MEMORY_GUARD.model_copy(update={"degradation_cost_tolerance": 0.05})),
     # Each of the next five is one change to the default as it was when it ran, on that guard.
     "misa-t-censored": PolicySettings(name=PolicyName.MISA_T, residency=ResidencySettings(censored=True),
-                                      admission=SHORT_MEMORY_GUARD),
+                                      footprint=PEAK_P25, admission=SHORT_MEMORY_GUARD),
     "misa-t-sqrt": PolicySettings(name=PolicyName.MISA_T, residency=ResidencySettings(exponent=0.5),
-                                  admission=SHORT_MEMORY_GUARD),
-    "misa-t-target": PolicySettings(name=PolicyName.MISA_T, budget_basis="target", admission=SHORT_MEMORY_GUARD),
+                                  footprint=PEAK_P25, admission=SHORT_MEMORY_GUARD),
+    "misa-t-target": PolicySettings(name=PolicyName.MISA_T, budget_basis="target", footprint=PEAK_P25,
+                                    admission=SHORT_MEMORY_GUARD),
     "footprint-peak-p90": PolicySettings(footprint=FootprintSettings(statistic="peak", percentile=90.0),
                                          admission=SHORT_MEMORY_GUARD),
     "footprint-mean-p50": PolicySettings(footprint=FootprintSettings(statistic="mean", percentile=50.0),
@@ -155,34 +166,35 @@ POLICY_VARIANTS: dict[str, PolicySettings] = {
         name=PolicyName.SESSION_ADMISSION, footprint=FootprintSettings(statistic="occupancy"),
         admission=SHORT_MEMORY_GUARD),
     "session-admission-longest-first": PolicySettings(
-        name=PolicyName.SESSION_ADMISSION,
+        name=PolicyName.SESSION_ADMISSION, footprint=PEAK_P25,
         admission=SHORT_MEMORY_GUARD.model_copy(update={"release_order": "longest-first"})),
     # The hit guard with a long memory: h* decays 1.2% a minute instead of 2% a sample, so a hit
     # rate that sinks slowly as sessions pile up still reads as degraded (docs/policy.md).
     "session-admission-hit-memory": PolicySettings(
-        name=PolicyName.SESSION_ADMISSION,
+        name=PolicyName.SESSION_ADMISSION, footprint=PEAK_P25,
         admission=SessionAdmissionSettings(healthy_hit_decay=0.9999, degradation_cost_tolerance=0.0)),
     # The default until 2026-12-04 (the short-memory guard, no cost check), and with the cost check
     # alone, as it was the default on 2026-12-03 (docs/policy.md, "The hit guard's cost check").
     "session-admission-no-cost-check": PolicySettings(
-        name=PolicyName.SESSION_ADMISSION, admission=SHORT_MEMORY_GUARD),
+        name=PolicyName.SESSION_ADMISSION, footprint=PEAK_P25, admission=SHORT_MEMORY_GUARD),
     "session-admission-cost-check": PolicySettings(
-        name=PolicyName.SESSION_ADMISSION,
+        name=PolicyName.SESSION_ADMISSION, footprint=PEAK_P25,
         admission=SHORT_MEMORY_GUARD.model_copy(update={"degradation_cost_tolerance": 0.05})),
     # The guard's long memory (which kept hits and lost rate where decodes dominate) with the cost
-    # check (which lets gaps pass where few prompt tokens are looked up): the default since
-    # 2026-12-04, named as it was while it was the candidate.
+    # check (which lets gaps pass where few prompt tokens are looked up): the default from
+    # 2026-12-04 to 2026-12-05, named as it was while it was the candidate.
     "session-admission-hit-memory-cost-check": PolicySettings(
-        name=PolicyName.SESSION_ADMISSION,
+        name=PolicyName.SESSION_ADMISSION, footprint=PEAK_P25,
         admission=SessionAdmissionSettings(healthy_hit_decay=0.9999, degradation_cost_tolerance=0.05)),
     "misa-t-hit-memory-cost-check": PolicySettings(
-        name=PolicyName.MISA_T,
+        name=PolicyName.MISA_T, footprint=PEAK_P25,
         admission=SessionAdmissionSettings(healthy_hit_decay=0.9999, degradation_cost_tolerance=0.05)),
-    # Caps sized by what a live session holds on average (Little's law) rather than by the p25
-    # peak, with today's guard: the peak's shape changes when outputs grow to the context limit
-    # (length drift), the time average does not; the long-memory guard is what protects the cache
-    # that the occupancy statistic lost under the short-memory guard. The KV budget either side
-    # sets how much of the KV the live sessions may hold on average.
+    # Caps sized by what a live session holds on average (Little's law) rather than by the p25 peak,
+    # with the long-memory guard and the cost check: the peak's shape changes when outputs grow to
+    # the context limit (length drift), the time average does not, and the long-memory guard is what
+    # protects the cache that this statistic lost under the short-memory guard. The first is the
+    # default since 2026-12-05, named as it was while it was the candidate; the KV budget either side
+    # of 0.9 sets how much of the KV the live sessions may hold on average.
     "occupancy": PolicySettings(footprint=FootprintSettings(statistic="occupancy")),
     "occupancy-budget-0.8": PolicySettings(footprint=FootprintSettings(statistic="occupancy"),
                                            kv_budget_fraction=0.8),

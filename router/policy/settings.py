@@ -113,21 +113,24 @@ class FootprintSettings(_Settings):
     """k_b: the KV tokens a session of class b holds, from recently completed sessions."""
 
     statistic: str = Field(
-        "peak", pattern="^(peak|mean|occupancy)$",
-        description="'peak': a session's largest prompt+output; 'mean': half of it, the time "
-        "average of a linearly growing context; 'occupancy': the KV a session holds on average "
-        "over its residency, weighted by residency (sum of KV token-seconds over sum of seconds, "
-        "each request counted at its prompt plus half its output while it runs and each gap "
-        "between requests at the whole context): what a live session holds at a random moment, "
-        "by Little's law. 'percentile' does not apply to it.",
+        "occupancy", pattern="^(peak|mean|occupancy)$",
+        description="'occupancy' (default): the KV a session holds on average over its residency, "
+        "weighted by residency (sum of KV token-seconds over sum of seconds, each request counted "
+        "at its prompt plus half its output while it runs and each gap between requests at the "
+        "whole context): what a live session holds at a random moment, by Little's law, so the "
+        "caps track the KV sessions actually hold whatever the shape of their growth; chosen on "
+        "the benchmark matrix (docs/policy.md). 'peak': a session's largest prompt+output, at "
+        "'percentile' (the default until 2026-12-05, at p25); 'mean': half of the peak, the time "
+        "average of a linearly growing context.",
     )
     percentile: Percentile = Field(
         25.0,
-        description="Percentile of the recent footprints used as k_b. Chosen by measurement "
-        "(docs/policy.md, misat_bench.choose_defaults): on the paper's mixture, peak KV at p25 "
-        "matched the best static ceiling (0.99x) with engines 77% full; p35 0.96x, the median "
-        "0.90x (56% full), p90 0.69x (28% full): sessions grow, so they hold well under their "
-        "peak on average.",
+        description="Percentile of the recent footprints used as k_b with the 'peak' and 'mean' "
+        "statistics ('occupancy' is one ratio over the window and ignores it). p25 was chosen by "
+        "measurement when 'peak' was the default (docs/policy.md, misat_bench.choose_defaults): "
+        "on the paper's mixture it matched the best static ceiling (0.99x) with engines 77% "
+        "full; p35 0.96x, the median 0.90x (56% full), p90 0.69x (28% full): sessions grow, so "
+        "they hold well under their peak on average.",
     )
     window: int = Field(256, ge=1, description="Completed sessions remembered per class.")
     min_samples: int = Field(
@@ -282,7 +285,7 @@ class PolicySettings(_Settings):
         "vLLM Router's policy), least-loaded or round-robin. Default session-admission (MISA-T's "
         "adaptive session caps without its per-class KV budgets), chosen on benchmark v2 by the rule "
         "in docs/policy.md (the highest worst-cell ratio to each cell's own oracle over the whole "
-        "matrix, mixture-constrained, mean over 3 seeds; the figures are there).",
+        "matrix, mixture-constrained, mean over seeds; the figures are there).",
     )
     budget_basis: Literal["demand", "target"] = Field(
         "demand",
@@ -296,8 +299,9 @@ class PolicySettings(_Settings):
     )
     kv_budget_fraction: Fraction = Field(
         0.9,
-        description="Share of each engine's KV the router may allocate to sessions (project "
-        "default; the rest absorbs growth between scrapes).",
+        description="Share of each engine's KV the router may allocate to sessions (the rest "
+        "absorbs growth between scrapes). With the default footprint (occupancy) 0.9 measured "
+        "best of 0.7, 0.8 and 0.9 on the benchmark matrix (docs/policy.md).",
     )
     concurrency_limit: int | None = Field(
         None, ge=1,

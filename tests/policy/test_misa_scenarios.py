@@ -39,7 +39,9 @@ def make_runner(
     )
     fields: dict[str, object] = {
         "kv_budget_fraction": 1.0,
-        "footprint": FootprintSettings(min_samples=1, bootstrap_tokens=1000),
+        # Footprints by the peak, so that a scenario's caps follow from the sizes it reports;
+        # the default statistic (occupancy) has its own tests (test_occupancy).
+        "footprint": FootprintSettings(statistic="peak", min_samples=1, bootstrap_tokens=1000),
         "residency": ResidencySettings(min_samples=1),
         **overrides,
     }

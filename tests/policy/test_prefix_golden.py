@@ -252,11 +252,11 @@ def policy_case(name: PolicyName, seed: int, n_ops: int, n_engines: int, kv_toke
         prefix=PrefixIndexSettings(block_size=16, text_chunk_chars=64, max_blocks_per_engine=4000,
                                    session_prompt_cache_symbols=session_prompt_cache_symbols),
         cache_aware=CacheAwareSettings(max_tree_size=30_000, eviction_interval_s=4.0, balance_abs_threshold=6),
-        footprint=FootprintSettings(min_samples=2, bootstrap_tokens=6000),
+        footprint=FootprintSettings(statistic="peak", min_samples=2, bootstrap_tokens=6000),
         residency=ResidencySettings(min_samples=2),
-        # The record predates the guard's cost check and long memory (the default since
-        # 2026-12-04), and its snapshots' query counts are not an engine's; both have their own
-        # tests (test_misa_scenarios).
+        # The record predates the occupancy footprint (the default since 2026-12-05) and the
+        # guard's cost check and long memory (since 2026-12-04), and its snapshots' query counts
+        # are not an engine's; each has its own tests (test_occupancy, test_misa_scenarios).
         admission=SessionAdmissionSettings(healthy_hit_decay=0.98, degradation_cost_tolerance=0.0),
     )
     runner = PolicyRunner(build_policy(settings, MIX), MIX)

@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from misat_router.policy.settings import PolicyName, PolicySettings, SessionAdmissionSettings
+from misat_router.policy.settings import FootprintSettings, PolicyName, PolicySettings, SessionAdmissionSettings
 from misat_sim.cluster import ClusterConfig, run_cluster
 from misat_sim.workload import WorkloadSpec
 
@@ -25,10 +25,13 @@ DIGITS = 9
 RECORDED_GUARD = SessionAdmissionSettings(healthy_hit_decay=0.98, degradation_cost_tolerance=0.0)
 """The hit guard the record was taken with (the default until 2026-12-04): the record checks the
 engine model, so a change of the policy's defaults leaves it as it is."""
+RECORDED_FOOTPRINT = FootprintSettings(statistic="peak", percentile=25.0)
+"""The footprint the record was taken with (the default until 2026-12-05), for the same reason."""
 
 RUNS: dict[str, ClusterConfig] = {
     f"{policy.value}@{ceiling}": ClusterConfig(
-        engines=2, policy=PolicySettings(name=policy, admission=RECORDED_GUARD), ceiling=ceiling,
+        engines=2, policy=PolicySettings(name=policy, admission=RECORDED_GUARD, footprint=RECORDED_FOOTPRINT),
+        ceiling=ceiling,
         duration_s=60.0, warmup_s=10.0,
         workload=WorkloadSpec(seed=7),
     )
