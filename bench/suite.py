@@ -133,6 +133,10 @@ PEAK_P25 = FootprintSettings(statistic="peak", percentile=25.0)
 that ran with it keep it, so that their published rows reproduce (docs/policy.md, "Caps sized by
 KV occupancy")."""
 
+OCCUPANCY = FootprintSettings(statistic="occupancy")
+"""k_b as the KV a live session holds on average: the default footprint since 2026-12-05, spelled out
+so that the variants that chose it keep it whatever the default becomes."""
+
 POLICY_VARIANTS: dict[str, PolicySettings] = {
     DEFAULT_POLICY: PolicySettings(),
     # Each mode with today's defaults: what a RolloutPool's `policy:` runs.
@@ -163,7 +167,7 @@ POLICY_VARIANTS: dict[str, PolicySettings] = {
     # The next three are one change each to the default as it was before the hit guard's cost check,
     # and keep that form (the short-memory guard) so that their published rows reproduce.
     "session-admission-occupancy": PolicySettings(
-        name=PolicyName.SESSION_ADMISSION, footprint=FootprintSettings(statistic="occupancy"),
+        name=PolicyName.SESSION_ADMISSION, footprint=OCCUPANCY,
         admission=SHORT_MEMORY_GUARD),
     "session-admission-longest-first": PolicySettings(
         name=PolicyName.SESSION_ADMISSION, footprint=PEAK_P25,
@@ -195,12 +199,10 @@ POLICY_VARIANTS: dict[str, PolicySettings] = {
     # protects the cache that this statistic lost under the short-memory guard. The first is the
     # default since 2026-12-05, named as it was while it was the candidate; the KV budget either side
     # of 0.9 sets how much of the KV the live sessions may hold on average.
-    "occupancy": PolicySettings(footprint=FootprintSettings(statistic="occupancy")),
-    "occupancy-budget-0.8": PolicySettings(footprint=FootprintSettings(statistic="occupancy"),
-                                           kv_budget_fraction=0.8),
-    "occupancy-budget-0.7": PolicySettings(footprint=FootprintSettings(statistic="occupancy"),
-                                           kv_budget_fraction=0.7),
-    "misa-t-occupancy": PolicySettings(name=PolicyName.MISA_T, footprint=FootprintSettings(statistic="occupancy")),
+    "occupancy": PolicySettings(footprint=OCCUPANCY),
+    "occupancy-budget-0.8": PolicySettings(footprint=OCCUPANCY, kv_budget_fraction=0.8),
+    "occupancy-budget-0.7": PolicySettings(footprint=OCCUPANCY, kv_budget_fraction=0.7),
+    "misa-t-occupancy": PolicySettings(name=PolicyName.MISA_T, footprint=OCCUPANCY),
 }
 """Policies under test by name, each run at the high ceiling with no per-cell tuning. Add a
 variant here (a T-shape, a footprint estimator) and name it in ``--policies``; a variant equal
