@@ -519,11 +519,11 @@ def cache_aware(limit: int | None = None, balance: tuple[int, float] | None = No
     """The vLLM Router baseline's settings (defaults unless a balance pair is given)."""
     ca = CacheAwareSettings() if balance is None else CacheAwareSettings(
         balance_abs_threshold=balance[0], balance_rel_threshold=balance[1])
-    # cache_aware never reads the admission settings, but a run's cache key digests all of them:
-    # pinned to the guard the cached baselines ran with, a change of the admission defaults does
+    # cache_aware never reads the admission or footprint settings, but a run's cache key digests
+    # all of them: pinned to what the cached baselines ran with, a change of those defaults does
     # not send every oracle sweep (CPU-hours on 16 engines) to be run again for the same figures.
     return PolicySettings(name=PolicyName.CACHE_AWARE, concurrency_limit=limit, cache_aware=ca,
-                          admission=SHORT_MEMORY_GUARD)
+                          admission=SHORT_MEMORY_GUARD, footprint=PEAK_P25)
 
 
 def _spec(cell: Cell, seed: int, baseline: Baseline, policy: PolicySettings, ceiling: int, label: str,
