@@ -796,9 +796,20 @@ async def test_a_keep_pause_freezes_streams_on_real_vllm_and_the_resume_finishes
 
         tasks = [asyncio.create_task(stream(i)) for i in range(KEEP_STREAMS)]
         headers = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+        running = 0.0
+
+        async def engines_running() -> bool:
+            nonlocal running
+            running = sum(c.get("vllm:num_requests_running", 0.0)
+                          for c in (await engine_counters(http, vllm_base_urls)).values())
+            return running >= 2
+
         try:
-            # Paused once two streams are generating (running on their engines, not only sent).
+            # Paused once two streams are generating and vLLM counts two running: what the reset
+            # preempts. Read before the pause, not after it: a frozen engine stops stepping, and
+            # its gauge is only as fresh as its last step's stats (it once read 0 there).
             await poll_until(lambda: _true(len(generating) >= 2), 60.0, lambda: _status_brief(router))
+            await poll_until(engines_running, 60.0, lambda: _status_brief(router))
             async with http.post(f"{router.url}/admin/pause", params={"mode": "keep", "reset_prefix_cache": "false"},
                                  headers=headers) as resp:
                 assert resp.status == 200, await resp.text()
@@ -808,9 +819,6 @@ async def test_a_keep_pause_freezes_streams_on_real_vllm_and_the_resume_finishes
             for url in vllm_base_urls:
                 async with http.get(f"{url}/is_paused") as resp:
                     engines_paused[url] = (await resp.json())["is_paused"]
-            # Frozen, the engines' running counts hold still: these are what the reset preempts.
-            running = sum(c.get("vllm:num_requests_running", 0.0)
-                          for c in (await engine_counters(http, frozen)).values())
             async with http.post(f"{router.url}/admin/resume", params={"reset_prefix_cache": "true"},
                                  headers=headers) as resp:
                 assert resp.status == 200, await resp.text()
@@ -833,8 +841,9 @@ async def test_a_keep_pause_freezes_streams_on_real_vllm_and_the_resume_finishes
         assert await router.metric_sum("misat_requests_total", outcome="ok") == KEEP_STREAMS
         after = await engine_counters(http, vllm_base_urls)
         preempted = _delta(after, before, M_PREEMPTIONS)
-        # The frozen requests running on the engines were preempted by the reset (vLLM's count).
-        assert running >= 2 and preempted >= running, (running, preempted, frozen)
+        # The requests running on the engines before the pause were frozen there and preempted by
+        # the reset (vLLM's counts; 600 output tokens each: none could finish in between).
+        assert preempted >= running, (running, preempted, frozen)
         record_figure("in_flight_at_keep_pause", paused["requests_in_flight"])
         record_figure("frozen_engines", len(frozen))
         record_figure("running_at_keep_pause", running)
