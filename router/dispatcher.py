@@ -70,6 +70,7 @@ class Dispatcher:
         self._idle = asyncio.Event()
         self._idle.set()
         self.draining = False
+        self._flush_due = False
 
     # ---- admission ------------------------------------------------------
 
@@ -184,6 +185,16 @@ class Dispatcher:
         self.in_flight[meta.request_id] = InFlight(meta, engine_id, now)
         self._idle.clear()
         self._touch()  # in flight changed: observable through wait_until, as a finish is
+        if not self._flush_due:
+            # After the callers in this loop step have sent their requests upstream: the policy's
+            # put-off work (the prefix index's inserts) then overlaps the engines' (one call per
+            # step however many requests it placed).
+            self._flush_due = True
+            asyncio.get_running_loop().call_soon(self._flush_deferred)
+
+    def _flush_deferred(self) -> None:
+        self._flush_due = False
+        self._runner.flush_deferred()
 
     def finish(self, meta: RequestMeta, engine_id: str, completion: Completion, outcome: str) -> None:
         """A placed request ended; accounting is released and held work re-checked."""

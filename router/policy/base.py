@@ -114,6 +114,11 @@ class Policy(ABC):
     def on_epoch(self, now: float) -> None:  # noqa: B027
         """Periodic housekeeping; called every admission epoch."""
 
+    def flush_deferred(self) -> None:  # noqa: B027
+        """Do now the bookkeeping a placement put off (the prefix index's inserts). Never needed
+        for correctness: whatever reads that state does it first. The router calls it once the
+        placed request is on its way, so the work overlaps the engine's."""
+
     def release_rank(self, workload_class: str) -> float | None:
         """Where held new sessions of ``workload_class`` stand in the release order: lower goes
         first. None (the default): arrival order, for every class."""

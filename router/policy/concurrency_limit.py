@@ -95,6 +95,9 @@ class ConcurrencyLimited(Policy):
     def on_epoch(self, now: float) -> None:
         self.inner.on_epoch(now)
 
+    def flush_deferred(self) -> None:
+        self.inner.flush_deferred()
+
     def on_engine_removed(self, engine_id: str, now: float) -> None:
         self.inner.on_engine_removed(engine_id, now)
 

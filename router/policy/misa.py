@@ -495,7 +495,7 @@ class MisaPolicy(Policy):
         super().on_placed(req, engine_id, now)
         self._event(engine_id, now, req.samples)
         keys = self._key_memo.pop(req.request_id, None) or self._prompt_keys(req)
-        self.index.insert(keys, engine_id)
+        self.index.insert_later(keys, engine_id)
         if req.session_id is not None and not req.end_of_session:
             self._remember_prompt(req.session_key, keys)
         live = self.sessions.get(req.session_key)
@@ -522,6 +522,9 @@ class MisaPolicy(Policy):
         at = self._since_at.get(engine_id)
         if at is not None and now > at:
             self._since[engine_id] += delta
+
+    def flush_deferred(self) -> None:
+        self.index.flush()
 
     def on_finished(
         self, req: RequestMeta, engine_id: str, completion: Completion, now: float

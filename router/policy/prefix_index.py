@@ -46,7 +46,11 @@ _TEXT_CHAIN_SEED = 0x74657874
 
 
 _BATCH = 32
-"""Keys computed per extension of a lazy chain by its iterator (amortises the loop set-up)."""
+"""Keys computed per extension of a lazy chain by its iterator (amortises the loop set-up), and
+the first chunk of a match's walk."""
+_MAX_PENDING = 256
+"""Inserts queued by ``insert_later`` before it applies them itself: a caller that never flushes
+(the simulated cluster, whose continuations read nothing) holds at most this many prompts."""
 
 
 class PromptKeys:
@@ -137,6 +141,13 @@ class PromptKeys:
         if len(keys) == self._count:
             self._blocks = None  # done: drop the iterators
 
+    def head(self, n: int) -> list[int]:
+        """At least the first ``n`` keys, in order (computes the chain that far; fewer when the
+        prompt has fewer); the list is the object's own."""
+        if len(self._keys) < n:
+            self._extend(n)
+        return self._keys
+
     def _all(self) -> list[int]:
         """Every key, in order (computes the whole chain); the list is the object's own."""
         if len(self._keys) < self._count:
@@ -207,6 +218,7 @@ class PrefixIndex:
         self._engine_of_bit: dict[int, str] = {}
         self._lru: dict[str, OrderedDict[int, bool]] = {}
         self._limit: dict[str, int] = {}
+        self._pending: list[tuple[PromptKeys, str]] = []
 
     def _bit_for(self, engine_id: str) -> int:
         bit = self._bit.get(engine_id)
@@ -218,8 +230,27 @@ class PrefixIndex:
             self._lru[engine_id] = OrderedDict()
         return bit
 
+    def insert_later(self, keys: PromptKeys, engine_id: str) -> None:
+        """``insert``, applied by ``flush`` or before anything reads or changes the index, in the
+        order queued: no answer can tell the two apart. The router flushes once the request is
+        on its way to the engine, so the insert (and the keys a decision did not need) costs
+        the request no latency."""
+        self._pending.append((keys, engine_id))
+        if len(self._pending) >= _MAX_PENDING:
+            self.flush()
+
+    def flush(self) -> None:
+        """Apply the queued inserts."""
+        pending = self._pending
+        if pending:
+            self._pending = []
+            for keys, engine_id in pending:
+                self._insert(keys, engine_id)
+
     def set_limit(self, engine_id: str, max_keys: int) -> None:
         """Bound one engine's keys (e.g. to its KV capacity in blocks); trims at once."""
+        if self._pending:
+            self.flush()
         self._limit[engine_id] = max(1, min(max_keys, self.settings.max_blocks_per_engine))
         if engine_id in self._bit:
             self._trim(engine_id)
@@ -232,8 +263,11 @@ class PrefixIndex:
         match length is where its bit leaves the running mask, found by bisection (the
         running masks only ever lose bits).
         """
+        if self._pending:
+            self.flush()
         result = dict.fromkeys(engine_ids, 0.0)
-        if not len(keys):
+        total = len(keys)
+        if not total:
             return result
         bits = self._bit
         alive = 0
@@ -243,8 +277,20 @@ class PrefixIndex:
                 alive |= 1 << bit
         if not alive:
             return result
-        running = list(takewhile(bool, accumulate(map(self._owners.get, keys._all(), repeat(0)), and_,
-                                                  initial=alive)))
+        # The walk needs keys only as far as some engine still holds them: computed in doubling
+        # chunks, a prompt that leaves every engine's keys early (a new session's own tail)
+        # leaves the rest of its chain to the insert.
+        owner = self._owners.get
+        running = [alive]
+        done, upto = 0, min(total, _BATCH)
+        while True:
+            seq = keys.head(upto)
+            part = list(takewhile(bool, accumulate(map(owner, islice(seq, done, upto), repeat(0)), and_,
+                                                   initial=running[-1])))
+            running += islice(part, 1, None)
+            if len(part) <= upto - done or upto == total:
+                break
+            done, upto = upto, min(total, 2 * upto)
         last = len(running) - 1  # running[d]: the engines holding the prompt's first d keys
         if not last:
             return result
@@ -271,6 +317,11 @@ class PrefixIndex:
         the engine's LRU order and appended in prompt order; only keys new to the engine touch
         ``owners`` (a key in the engine's LRU already has the engine's bit there).
         """
+        if self._pending:
+            self.flush()
+        self._insert(keys, engine_id)
+
+    def _insert(self, keys: PromptKeys, engine_id: str) -> None:
         if not len(keys):
             return
         flag = 1 << self._bit_for(engine_id)
@@ -312,6 +363,8 @@ class PrefixIndex:
 
     def clear(self, engine_id: str | None = None) -> None:
         """Forget one engine's keys (or all), e.g. after a prefix-cache reset."""
+        if self._pending:
+            self.flush()
         for e in [engine_id] if engine_id is not None else list(self._lru):
             if e in self._lru:
                 self._set_empty(e)
@@ -329,6 +382,8 @@ class PrefixIndex:
 
     def remove_engine(self, engine_id: str) -> None:
         """Drop an engine entirely; its bit becomes free for a later engine."""
+        if self._pending:
+            self.flush()
         if engine_id not in self._bit:
             return
         self._set_empty(engine_id)
@@ -338,12 +393,18 @@ class PrefixIndex:
         self._limit.pop(engine_id, None)
 
     def size(self, engine_id: str) -> int:
+        if self._pending:
+            self.flush()
         lru = self._lru.get(engine_id)
         return len(lru) if lru is not None else 0
 
     def sizes(self) -> Mapping[str, int]:
+        if self._pending:
+            self.flush()
         return {e: len(lru) for e, lru in self._lru.items()}
 
     def limits(self) -> Mapping[str, int]:
         """Each engine's bound on keys (engines without a ``set_limit`` yet: the settings' cap)."""
+        if self._pending:
+            self.flush()
         return {e: self._limit.get(e, self.settings.max_blocks_per_engine) for e in self._lru}

@@ -203,6 +203,10 @@ class PolicyRunner:
     def on_metrics(self, engines: Engines, now: float) -> None:
         self.policy.on_metrics(engines, now)
 
+    def flush_deferred(self) -> None:
+        """The bookkeeping placements put off, now (``Policy.flush_deferred``)."""
+        self.policy.flush_deferred()
+
     def epoch(
         self, engines: Engines, now: float, draining: Set[str] = frozenset()
     ) -> list[tuple[RequestMeta, Decision]]:

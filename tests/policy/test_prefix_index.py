@@ -160,3 +160,62 @@ def test_insert_keeps_each_engines_keys_in_recency_order(ops: list, limit: int) 
     for engine, held in want.items():
         bit = 1 << idx._bit[engine]
         assert {key for key, mask in idx._owners.items() if mask & bit} == set(held)
+
+
+# ---- inserts put off until the request is on its way -----------------------------------
+
+LONG = PrefixIndexSettings(block_size=1, text_chunk_chars=8, chars_per_token=4.0)
+
+
+def long_keys(ids: list[int]) -> PromptKeys:
+    return prompt_keys(RequestMeta("r", "c", prompt_token_ids=tuple(ids)), LONG)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    ops=st.lists(
+        st.tuples(st.sampled_from(["later", "now", "match", "limit", "clear", "remove"]), st.sampled_from("abc"),
+                  st.integers(0, 3), st.integers(0, 200), st.integers(0, 3)),
+        max_size=20,
+    ),
+)
+def test_put_off_inserts_answer_as_immediate_ones(ops: list) -> None:
+    # Prompts of up to 200 one-token blocks from four stems: a match walks several of its
+    # doubling chunks of keys before it leaves an engine's keys, or stops in the first.
+    stems = [[s] * 3 + list(range(1000 * s, 1000 * s + 200)) for s in range(4)]
+    lazy, eager = PrefixIndex(LONG), PrefixIndex(LONG)
+    for op, engine, stem, length, noise in ops:
+        ids = stems[stem][:length] + [noise] * noise
+        if op in ("later", "now"):
+            (lazy.insert_later if op == "later" else lazy.insert)(long_keys(ids), engine)
+            eager.insert(long_keys(ids), engine)
+        elif op == "match":
+            assert lazy.match(long_keys(ids), "abc") == eager.match(long_keys(ids), "abc")
+        elif op == "limit":
+            lazy.set_limit(engine, length + 1)
+            eager.set_limit(engine, length + 1)
+        elif op == "clear":
+            lazy.clear(engine)
+            eager.clear(engine)
+        else:
+            lazy.remove_engine(engine)
+            eager.remove_engine(engine)
+        assert lazy.sizes() == eager.sizes() and lazy.limits() == eager.limits()
+    lazy.flush()
+    assert {e: list(lru) for e, lru in lazy._lru.items()} == {e: list(lru) for e, lru in eager._lru.items()}
+    assert lazy._owners == eager._owners
+
+
+def test_a_match_computes_keys_only_as_far_as_some_engine_holds_them() -> None:
+    idx = PrefixIndex(LONG)
+    shared = list(range(100))
+    idx.insert(long_keys(shared + [7] * 100), "a")
+    cold = long_keys([5] * 1000)
+    assert idx.match(cold, ["a"]) == {"a": 0.0}
+    assert len(cold._keys) < 100, "a prompt no engine holds needs its chain's first chunk only"
+    warm = long_keys(shared + [9] * 900)
+    assert idx.match(warm, ["a"]) == {"a": 100.0}
+    assert 100 < len(warm._keys) < 1000, "keys past the walk's end are left to the insert"
+    idx.insert_later(warm, "b")
+    assert len(warm._keys) < 1000
+    assert idx.match(long_keys(shared + [9] * 900), ["a", "b"]) == {"a": 100.0, "b": 1000.0}

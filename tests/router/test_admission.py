@@ -311,3 +311,22 @@ async def test_an_engine_back_within_the_wait_serves_the_request(
         eng.healthy = True
         status, _, _ = await req
     assert status == 200 and [r["prompt"] for r in eng.requests] == [[4]]
+
+
+async def test_the_prefix_index_takes_a_prompt_while_its_request_is_at_the_engine(
+    engines: list[FakeEngine], make_router
+) -> None:
+    # The insert a placement puts off runs once the request is sent: before the engine has
+    # it, with nothing having read the index in between.
+    eng = engines[0]
+    eng.gate = asyncio.Event()
+    h = await make_router([eng], policy=None)  # the default: session admission over the prefix index
+    index = h.state.runner.policy.index
+    async with aiohttp.ClientSession() as http:
+        task = asyncio.create_task(post(http, h.url, list(range(64))))
+        await eng.wait_arrivals(1)
+        assert index._pending == []
+        assert sum(index.sizes().values()) == 64 // h.state.config.policy.prefix.block_size
+        eng.gate.set()
+        status, _, _ = await task
+    assert status == 200
