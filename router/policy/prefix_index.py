@@ -150,9 +150,7 @@ class PromptKeys:
 
     def _all(self) -> list[int]:
         """Every key, in order (computes the whole chain); the list is the object's own."""
-        if len(self._keys) < self._count:
-            self._extend(self._count)
-        return self._keys
+        return self.head(self._count)
 
     def __iter__(self) -> Iterator[int]:
         i = 0
