@@ -227,7 +227,8 @@ class Cluster:
         max_tokens = max(1, min(req.max_tokens or 1, limit))
         unit = self._requests[req.request_id][1]
         eng.add_request(req.request_id, req.prompt_token_ids or (0,), max_tokens, ignore_eos=True,
-                        arrival_time=self.now, prefix_block_hashes=unit.prompt_block_hashes)
+                        arrival_time=self.now, prefix_block_hashes=unit.prompt_block_hashes,
+                        discard_output_ids=unit.turn == unit.plan.last_turn)
         self._placed_on[req.request_id] = engine_id
 
     def _on_finished(self, engine_id: str, fin: FinishedRequest) -> None:

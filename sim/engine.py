@@ -45,6 +45,9 @@ class FinishedRequest:
     num_prompt_tokens: int
     num_cached_tokens: int
     output_token_ids: list[int]
+    """The generated ids; empty when the request was added with ``discard_output_ids``."""
+    num_output_tokens: int
+    """Generated tokens (the length of ``output_token_ids`` unless those were discarded)."""
     arrival_time: float
     first_scheduled_time: float | None
     first_token_time: float | None
@@ -54,11 +57,6 @@ class FinishedRequest:
     """Chained hashes of the leading full blocks of prompt + output that the engine computed:
     a caller sending prompt + output (+ more) back as the next turn may pass them to
     ``add_request`` so they are not computed again."""
-
-    @property
-    def num_output_tokens(self) -> int:
-        """Generated tokens."""
-        return len(self.output_token_ids)
 
 
 @dataclass(slots=True)
@@ -156,6 +154,7 @@ class SimEngine:
         sample_seed: int | None = None,
         greedy: bool = False,
         prefix_block_hashes: Sequence[int] = (),
+        discard_output_ids: bool = False,
     ) -> None:
         """Queue a request. Lengths must already be validated against ``max_model_len``.
 
@@ -164,6 +163,10 @@ class SimEngine:
         gives them for a prompt that starts with that request's prompt + output
         (a multi-turn session). The caller vouches for them; only the blocks after
         them are hashed here.
+
+        ``discard_output_ids``: the caller will never read the output ids (the in-process
+        cluster, for a session's last turn), so they are not drawn (speed only: every count,
+        time, hit and eviction is as without it; ``misat_sim.request``).
         """
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in the engine")
@@ -197,6 +200,7 @@ class SimEngine:
                 _prompt_block_hashes(prompt, limits.block_size, prefix_block_hashes)
                 if limits.enable_prefix_caching else []
             ),
+            discard_output_ids=discard_output_ids,
         )
         self.requests[request_id] = req
         self.scheduler.add(req)
@@ -370,7 +374,8 @@ class SimEngine:
                     finish_reason=reason,
                     num_prompt_tokens=req.num_prompt_tokens,
                     num_cached_tokens=max(req.num_cached_tokens, 0),
-                    output_token_ids=req.materialize_outputs(),
+                    output_token_ids=[] if req.outputs_discarded else req.materialize_outputs(),
+                    num_output_tokens=req.num_output_tokens,
                     arrival_time=req.arrival_time,
                     first_scheduled_time=req.first_scheduled_time,
                     first_token_time=req.first_token_time,

@@ -7,6 +7,15 @@ produced lazily, a block at a time, from one ``random.Random`` per request:
 the engine advances a counter per decode step and only materialises ids when
 a block fills (its hash needs them) or a caller asks for them.
 
+Discarded outputs: a caller that will never read a request's output ids (the
+in-process cluster, for a session's last turn) says so at ``add_request``, and
+they are never drawn. A block that holds any of them is then keyed by a number
+no ``hash()`` can return (hashes are 64-bit; these count up from 2**64), one
+per block. Nothing can hit such a block, as nothing could have hit the block of
+random output ids it stands for once no later prompt contains them; it is
+cached, evicted and counted as before, and a preempted request's recompute
+finds its own blocks by the same keys.
+
 EOS: a randomly initialised model emits its EOS id with probability about
 ``1 / vocab_size`` per token, so without ``ignore_eos`` the stop position is
 drawn once, when the request is created, from the geometric distribution with
@@ -16,6 +25,7 @@ that parameter; the token there is the EOS id and no earlier token is. With
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 from array import array
@@ -23,6 +33,9 @@ from collections.abc import Sequence
 from enum import StrEnum
 
 from misat_sim.kv_cache import NONE_HASH, KVBlock
+
+_DISCARDED_OUTPUT_KEYS = itertools.count(1 << 64)
+"""Keys of blocks holding discarded outputs: above every value ``hash()`` returns, never reused."""
 
 FIRST_REGULAR_TOKEN_ID: int = 3
 """Ids below this are special (pad/unk, BOS, EOS in a Llama vocabulary); never generated."""
@@ -82,6 +95,7 @@ class SimRequest:
         "_block_hashes",
         "_clock",
         "_comp",
+        "_discarded",
         "_ev",
         "_fin",
         "_out",
@@ -124,8 +138,10 @@ class SimRequest:
         eos_token_id: int,
         token_seed: int,
         prompt_block_hashes: list[int] | None = None,
+        discard_output_ids: bool = False,
     ) -> None:
         self.request_id = request_id
+        self._discarded = discard_output_ids
         # A tuple: immutable and shared, so a caller's tuple is kept, not copied (full-length
         # agentic prompts run to 100K tokens, and every turn sends one).
         self.prompt_token_ids: tuple[int, ...] = tuple(prompt_token_ids)
@@ -189,12 +205,20 @@ class SimRequest:
         self._comp = value
 
     @property
+    def outputs_discarded(self) -> bool:
+        """Whether the caller said it will never read the output ids (they are never drawn)."""
+        return self._discarded
+
+    @property
     def num_tokens(self) -> int:
         """Prompt plus output tokens so far."""
         return self.num_prompt_tokens + self.num_output_tokens
 
     def materialize_outputs(self, upto: int | None = None) -> list[int]:
         """Generate output ids up to ``upto`` (default: all emitted so far); returns the list."""
+        if self._discarded:
+            raise RuntimeError(f"request {self.request_id!r} was added with discard_output_ids: its output "
+                               "ids are never drawn")
         target = self.num_output_tokens if upto is None else min(upto, self.num_output_tokens)
         out = self.output_token_ids
         missing = target - len(out)
@@ -234,6 +258,12 @@ class SimRequest:
         bs = self.block_size
         p = self.num_prompt_tokens
         end = (index + 1) * bs
+        if end > p and self._discarded:
+            prompt_blocks = p // bs
+            if len(hashes) < prompt_blocks:
+                self.block_hash(prompt_blocks - 1)
+            hashes.extend(next(_DISCARDED_OUTPUT_KEYS) for _ in range(len(hashes), index + 1))
+            return hashes[index]
         if end > p:
             self.materialize_outputs(end - p)
         prompt = self.prompt_token_ids

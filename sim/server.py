@@ -634,6 +634,7 @@ def _abort_child(state: ServerState, child: _Child) -> bool:
         num_prompt_tokens=len(child.prompt_ids),
         num_cached_tokens=max(0, req.num_cached_tokens) if req is not None else 0,
         output_token_ids=out,
+        num_output_tokens=len(out),
         arrival_time=req.arrival_time if req is not None else now,
         first_scheduled_time=req.first_scheduled_time if req is not None else None,
         first_token_time=req.first_token_time if req is not None else None,

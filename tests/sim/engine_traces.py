@@ -88,8 +88,11 @@ def _engine(trace: Trace) -> SimEngine:
     return SimEngine(SimEngineConfig.model_validate(fields))
 
 
-def run_trace(trace: Trace) -> dict[str, Any]:
-    """Drive one engine through ``trace`` as the cluster does; returns its observable outcome."""
+def run_trace(trace: Trace, discard_last_turn_outputs: bool = False) -> dict[str, Any]:
+    """Drive one engine through ``trace`` as the cluster does; returns its observable outcome.
+
+    ``discard_last_turn_outputs``: add each session's last turn with ``discard_output_ids``, as
+    the cluster does (its ids are never drawn; ``discarded`` counts the requests that were)."""
     rng = random.Random(trace.seed)
     engine = _engine(trace)
     vocab = engine.limits.vocab_size
@@ -140,7 +143,8 @@ def run_trace(trace: Trace) -> dict[str, Any]:
         at, _, sess, turn, prompt, max_tokens = arrivals.pop(0)
         rid = f"r-{sess}-{turn}"
         prompts[rid] = prompt
-        engine.add_request(rid, prompt, max_tokens, ignore_eos=trace.ignore_eos, arrival_time=at)
+        engine.add_request(rid, prompt, max_tokens, ignore_eos=trace.ignore_eos, arrival_time=at,
+                           discard_output_ids=discard_last_turn_outputs and turn + 1 == trace.turns)
     counters = engine.sync_counters()
 
     def t(x: float | None) -> float | None:
@@ -152,7 +156,7 @@ def run_trace(trace: Trace) -> dict[str, Any]:
                 "finish_reason": f.finish_reason.value,
                 "prompt": f.num_prompt_tokens,
                 "cached": f.num_cached_tokens,
-                "output": len(f.output_token_ids),
+                "output": f.num_output_tokens,
                 "arrival": t(f.arrival_time),
                 "first_scheduled": t(f.first_scheduled_time),
                 "first_token": t(f.first_token_time),
@@ -167,6 +171,7 @@ def run_trace(trace: Trace) -> dict[str, Any]:
         "preemptions": counters.num_preemptions,
         "steps": steps,
         "aborted": counters.request_success.get("abort", 0),
+        "discarded": sum(1 for f in finished if f.num_output_tokens and not f.output_token_ids),
         "output_digest": hashlib.sha256(
             json.dumps([f.output_token_ids for f in finished]).encode()
         ).hexdigest(),

@@ -143,3 +143,25 @@ def test_known_prefix_hashes_give_the_hashes_computed_from_scratch(make_engine) 
     for known in (full[:0], full[:3], full, [*full, 123]):
         assert _prompt_block_hashes(prompt, 4, known) == full
     assert _prompt_block_hashes(prompt[:3], 4, full) == []  # shorter than one block
+
+
+def test_discarded_output_ids_are_never_drawn_and_say_so(make_engine, drain) -> None:
+    def run(discard: bool) -> dict:
+        e = make_engine(seed=7, num_gpu_blocks=34, max_model_len=128)  # 2 x (50 + 40) tokens > 33 x 4
+        e.add_request("kept", list(range(10, 60)), 40, ignore_eos=True, arrival_time=0.0)
+        e.add_request("gone", list(range(10, 60)), 40, ignore_eos=True, arrival_time=0.0,
+                      discard_output_ids=discard)
+        e.step(0.0)
+        if discard:
+            with pytest.raises(RuntimeError, match="'gone' was added with discard_output_ids"):
+                e.output_token_ids("gone")
+        return {f.request_id: f for f in drain(e)}
+
+    drawn, discarded = run(False), run(True)
+    assert discarded["gone"].output_token_ids == [] and discarded["gone"].num_output_tokens == 40
+    assert discarded["kept"].output_token_ids == drawn["kept"].output_token_ids
+    for rid in ("kept", "gone"):
+        a, b = drawn[rid], discarded[rid]
+        assert (a.num_cached_tokens, a.num_preemptions, a.first_token_time, a.finish_time, a.num_output_tokens) == (
+            b.num_cached_tokens, b.num_preemptions, b.first_token_time, b.finish_time, b.num_output_tokens)
+    assert drawn["gone"].num_preemptions + drawn["kept"].num_preemptions > 0

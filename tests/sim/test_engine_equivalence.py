@@ -37,6 +37,19 @@ def test_trace_output_ids_match_the_golden_record(trace) -> None:
     assert run_trace(trace)["output_digest"] == _golden[trace.name]["output_digest"]
 
 
+@pytest.mark.parametrize("trace", TRACES, ids=lambda t: t.name)
+def test_discarded_outputs_change_no_outcome(trace) -> None:
+    # The cluster discards the output ids of every session's last turn: the blocks holding them
+    # get keys nothing else can take, so hits, evictions, preemptions (a recompute finds its own
+    # blocks) and every time must be as when the ids are drawn.
+    got = run_trace(trace, discard_last_turn_outputs=True)
+    want = _golden[trace.name]
+    assert got["discarded"] > 0
+    for key in ("prefix_queries", "prefix_hits", "preemptions", "steps", "aborted", "finish_order"):
+        assert got[key] == want[key], key
+    assert got["requests"] == want["requests"]
+
+
 def test_the_traces_cover_their_regimes() -> None:
     # Each trace must keep exercising what it is named for, or it pins nothing.
     g = _golden
