@@ -246,8 +246,10 @@ class Cluster:
         if unit.turn < plan.last_turn:
             gap = plan.turns[unit.turn].tool_gap_s
             # plan.next_prompt's tokens as a tuple (RequestMeta and the engine keep it): the context
-            # is copied once, by the tuple concatenation, and only the new tail goes through a list.
-            unit.prompt = unit.prompt + (*fin.output_token_ids, *plan.appended_tokens(unit.turn + 1))
+            # is copied once, by the tuple concatenation; unpacking it all would copy it into a list
+            # and again into the tuple (speed: agentic contexts are re-sent every turn).
+            tail = (*fin.output_token_ids, *plan.appended_tokens(unit.turn + 1))
+            unit.prompt = unit.prompt + tail
             unit.prompt_block_hashes = fin.block_hashes  # every engine of the cluster has one block size
             unit.turn += 1
             if len(unit.prompt) >= self.engines[engine_id].limits.max_model_len:
