@@ -13,7 +13,9 @@ point can be checked against the published table.
 prints, per cell, the mixture-constrained rate's paired ratio to the oracle
 and to tuned-once (mean and 95% interval over the seeds), prefix hit against
 the ideal, TV against the sampling noise, and the mean and worst cell: the
-inputs of the rule that picks the default (docs/policy.md).
+inputs of the rule that picks the default (docs/policy.md). When the default
+(``session-admission``) is listed with other variants, a last table pairs
+each with it, cell by cell: whether two candidates tie under the rule.
 
 ``--against-default CELLS`` (e.g. the 16-engine family, whose oracle sweeps cost CPU-hours):
 each variant and the default (``session-admission``) at the cell's high ceiling on the same
@@ -41,7 +43,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from misat_bench.cluster_runs import RunCache, RunRecord, run_all
-from misat_bench.stats import Interval, paired_ratio, verdict
+from misat_bench.stats import Interval, Verdict, paired_ratio, verdict
 from misat_bench.suite import (
     CHANGING_WORKLOADS,
     POLICY_VARIANTS,
@@ -317,7 +319,35 @@ def report(s: BenchSettings, cells: list[Cell], policies: list[str], records: di
                     line += f"; x {which.value} over {len(means)} cells {_mean(means):.3f}x (mean of paired ratios)"
             out += ["", line + "."]
         out.append("")
+    out += _paired_with_default(s, cells, policies, rates)
     return "\n".join(out)
+
+
+def _paired_with_default(s: BenchSettings, cells: list[Cell], policies: list[str],
+                         rates: Callable[[list[RunSpec]], dict[int, float]]) -> list[str]:
+    """Each other variant over the default (``PAIRED_BASE``), per cell and paired by seed: the test of
+    the rule's tie (docs/policy.md: two candidates tie on the worst cell when no cell's paired ratio
+    between them excludes 1.0). Empty unless the default is among ``policies`` with another."""
+    others = [p for p in policies if p != PAIRED_BASE]
+    if PAIRED_BASE not in policies or not others:
+        return []
+    out = [f"### Paired with {PAIRED_BASE}", "", "| cell | " + " | ".join(others) + " |",
+           "|---|" + "---|" * len(others)]
+    tally = {p: [0, 0] for p in others}
+    for cell in cells:
+        base = rates(variant_runs(s, [cell], [PAIRED_BASE]))
+        shown = []
+        for p in others:
+            r = paired_ratio(rates(variant_runs(s, [cell], [p])), base)
+            if r is not None and verdict(r) is Verdict.WIN:
+                tally[p][0] += 1
+            elif r is not None and verdict(r) is Verdict.LOSS:
+                tally[p][1] += 1
+            shown.append(_with_verdict(r))
+        out.append(f"| {cell.id} | " + " | ".join(shown) + " |")
+    out += ["", "; ".join(f"{p}: {w} won, {lost} lost against {PAIRED_BASE}" for p, (w, lost) in tally.items())
+            + ".", ""]
+    return out
 
 
 PAIRED_BASE = "session-admission"

@@ -187,6 +187,30 @@ def test_the_held_out_report_pairs_each_variant_with_the_cell_oracle_on_the_same
     assert "x oracle per seed" not in text  # v2's per-seed oracles belong to the tuned seeds
 
 
+def test_the_report_pairs_each_variant_with_the_default_per_cell() -> None:
+    # The rule's tie (docs/policy.md) is read off this table: a variant that wins or loses a cell,
+    # paired by seed with the default, is not tied with it.
+    s, cells = select_cells(["kv-half@paper:4", "steady@paper:4"])
+    held = held_out_settings(s, (3, 4, 5))
+    base_rate = {3: 100.0, 4: 120.0, 5: 80.0}
+    factor = {("kv-half@paper:4", "occupancy-budget-0.95"): 0.9, ("steady@paper:4", "occupancy-budget-0.95"): 1.05}
+    records: dict[str, RunRecord] = {}
+    for spec in held_out_runs(held, cells):
+        records[spec.key(held)] = _record(spec, held, base_rate[spec.seed_of(held)])
+    for spec in variant_runs(held, cells, ["session-admission", "occupancy-budget-0.95"]):
+        f = factor.get((spec.cell(held).id, spec.variant), 1.0)
+        records[spec.key(held)] = _record(spec, held, f * base_rate[spec.seed_of(held)])
+    text = report(held, cells, ["session-admission", "occupancy-budget-0.95"], records,
+                  cell_oracle=CELL_ORACLE_CEILINGS, held_out=True)
+    paired = text.split("### Paired with session-admission", 1)[1]
+    rows = {line.split(" | ")[0][2:]: line for line in paired.splitlines() if line.startswith("| ") and "@" in line}
+    assert "0.90x" in rows["kv-half@paper:4"] and "loss" in rows["kv-half@paper:4"]
+    assert "1.05x" in rows["steady@paper:4"] and "win" in rows["steady@paper:4"]
+    assert "occupancy-budget-0.95: 1 won, 1 lost against session-admission." in paired
+    alone = report(held, cells, ["occupancy-budget-0.95"], records, cell_oracle=CELL_ORACLE_CEILINGS, held_out=True)
+    assert "Paired with" not in alone  # nothing to pair with
+
+
 def test_the_in_sample_report_has_the_cell_oracle_and_v2s_per_seed_oracle_beside_it() -> None:
     s, cells = select_cells(["kv-half@paper:4"])
     (cell,) = cells
