@@ -323,6 +323,12 @@ def report(s: BenchSettings, cells: list[Cell], policies: list[str], records: di
     return "\n".join(out)
 
 
+PAIRED_BASE = "session-admission"
+"""What ``--against-default`` and the report's last table pair each variant with: the default's
+settings under its variant name, so its runs share the cache keys of the suite's and of this tool's
+other modes."""
+
+
 def _paired_with_default(s: BenchSettings, cells: list[Cell], policies: list[str],
                          rates: Callable[[list[RunSpec]], dict[int, float]]) -> list[str]:
     """Each other variant over the default (``PAIRED_BASE``), per cell and paired by seed: the test of
@@ -348,11 +354,6 @@ def _paired_with_default(s: BenchSettings, cells: list[Cell], policies: list[str
     out += ["", "; ".join(f"{p}: {w} won, {lost} lost against {PAIRED_BASE}" for p, (w, lost) in tally.items())
             + ".", ""]
     return out
-
-
-PAIRED_BASE = "session-admission"
-"""What ``--against-default`` pairs each variant with: the default's settings under its variant name,
-so its runs share the cache keys of the suite's and of this tool's other modes."""
 
 
 def against_default(cells_text: str, policies: list[str], jobs: int, out: Path) -> str:

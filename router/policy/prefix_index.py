@@ -238,7 +238,7 @@ class PrefixIndex:
             self.flush()
 
     def flush(self) -> None:
-        """Apply the queued inserts."""
+        """Apply the queued inserts (every read and change of the index calls it first)."""
         pending = self._pending
         if pending:
             self._pending = []
@@ -247,8 +247,7 @@ class PrefixIndex:
 
     def set_limit(self, engine_id: str, max_keys: int) -> None:
         """Bound one engine's keys (e.g. to its KV capacity in blocks); trims at once."""
-        if self._pending:
-            self.flush()
+        self.flush()
         self._limit[engine_id] = max(1, min(max_keys, self.settings.max_blocks_per_engine))
         if engine_id in self._bit:
             self._trim(engine_id)
@@ -261,8 +260,7 @@ class PrefixIndex:
         match length is where its bit leaves the running mask, found by bisection (the
         running masks only ever lose bits).
         """
-        if self._pending:
-            self.flush()
+        self.flush()
         result = dict.fromkeys(engine_ids, 0.0)
         total = len(keys)
         if not total:
@@ -315,8 +313,7 @@ class PrefixIndex:
         the engine's LRU order and appended in prompt order; only keys new to the engine touch
         ``owners`` (a key in the engine's LRU already has the engine's bit there).
         """
-        if self._pending:
-            self.flush()
+        self.flush()
         self._insert(keys, engine_id)
 
     def _insert(self, keys: PromptKeys, engine_id: str) -> None:
@@ -361,8 +358,7 @@ class PrefixIndex:
 
     def clear(self, engine_id: str | None = None) -> None:
         """Forget one engine's keys (or all), e.g. after a prefix-cache reset."""
-        if self._pending:
-            self.flush()
+        self.flush()
         for e in [engine_id] if engine_id is not None else list(self._lru):
             if e in self._lru:
                 self._set_empty(e)
@@ -380,8 +376,7 @@ class PrefixIndex:
 
     def remove_engine(self, engine_id: str) -> None:
         """Drop an engine entirely; its bit becomes free for a later engine."""
-        if self._pending:
-            self.flush()
+        self.flush()
         if engine_id not in self._bit:
             return
         self._set_empty(engine_id)
@@ -391,18 +386,15 @@ class PrefixIndex:
         self._limit.pop(engine_id, None)
 
     def size(self, engine_id: str) -> int:
-        if self._pending:
-            self.flush()
+        self.flush()
         lru = self._lru.get(engine_id)
         return len(lru) if lru is not None else 0
 
     def sizes(self) -> Mapping[str, int]:
-        if self._pending:
-            self.flush()
+        self.flush()
         return {e: len(lru) for e, lru in self._lru.items()}
 
     def limits(self) -> Mapping[str, int]:
         """Each engine's bound on keys (engines without a ``set_limit`` yet: the settings' cap)."""
-        if self._pending:
-            self.flush()
+        self.flush()
         return {e: self._limit.get(e, self.settings.max_blocks_per_engine) for e in self._lru}
