@@ -42,7 +42,7 @@ import argparse
 from collections.abc import Callable
 from pathlib import Path
 
-from misat_bench.cluster_runs import RunCache, RunRecord, run_all
+from misat_bench.cluster_runs import RunCache, RunMetrics, RunRecord, run_all
 from misat_bench.stats import Interval, Verdict, paired_ratio, verdict
 from misat_bench.suite import (
     CHANGING_WORKLOADS,
@@ -73,8 +73,8 @@ V2_ORACLE_CEILINGS: dict[str, tuple[int, ...]] = {
     "iterations@paper:4": (224, 336, 224),
     "kv-half@paper:4": (96, 104, 112),
     "kv-double@paper:4": (408, 448, 416),
-    # The large fleet's steady cells that have run (docs/benchmark.md, "steady@paper on 16 engines"
-    # and after): only with --cells, since the twelve above are the matrix the rule is read on.
+    # The large fleet's seven steady cells (docs/benchmark.md, "The oracle per cell"): only with
+    # --cells, since the twelve above are the matrix the rule is read on.
     "steady@paper:16": (816, 776, 768),
     "steady@rlvr70:16": (1008, 920, 1504),
     "steady@rlhf70:16": (1240, 1216, 1192),
@@ -256,6 +256,7 @@ def report(s: BenchSettings, cells: list[Cell], policies: list[str], records: di
                 + (" x request-limit | x high-load |" if limits else ""),
                 "|---|---:|---:|---|" + ("---|" if per_cell_oracle else "") + "---|---:|---:|---:|---:|"
                 + ("---|---|" if limits else "")]
+        figures: list[str] = []
         ratios: list[tuple[str, Interval]] = []
         per_seed_ratios: list[tuple[str, Interval]] = []
         once_means: list[float] = []
@@ -266,12 +267,13 @@ def report(s: BenchSettings, cells: list[Cell], policies: list[str], records: di
             per_seed_text = ""
             once = rates(tuned_once_runs(cell, s.seeds))
             # v2's per-seed oracles belong to the tuned seeds: none on held-out ones.
-            per_seed_oracle = {} if held_out else rates(
-                [b for b in baseline_runs(s, [cell]) if b.baseline is Baseline.SWEEP])
+            oracle_specs = [] if held_out else [b for b in baseline_runs(s, [cell]) if b.baseline is Baseline.SWEEP]
+            per_seed_oracle = rates(oracle_specs)
             oracle = per_seed_oracle
             if cell_oracle is not None:
                 ceiling = cell_oracle.get(cell.id)
-                oracle = rates([sweep_run(cell, seed, ceiling) for seed in s.seeds]) if ceiling else {}
+                oracle_specs = [sweep_run(cell, seed, ceiling) for seed in s.seeds] if ceiling else []
+                oracle = rates(oracle_specs)
                 if per_cell_oracle:
                     ps = paired_ratio(mine, per_seed_oracle)
                     if ps is not None:
@@ -286,6 +288,8 @@ def report(s: BenchSettings, cells: list[Cell], policies: list[str], records: di
             if t is not None:
                 once_means.append(t.mean)
             m = [records[sp.key(s)].metrics for sp in mine_specs if sp.key(s) in records]
+            figures += _figure_rows(cell.id, m, [records[k].metrics for sp in oracle_specs
+                                                 if (k := sp.key(s)) in records])
             extra = ""
             if limits:
                 cell_limits = limit_runs(s, [cell])
@@ -318,9 +322,65 @@ def report(s: BenchSettings, cells: list[Cell], policies: list[str], records: di
                 if means:
                     line += f"; x {which.value} over {len(means)} cells {_mean(means):.3f}x (mean of paired ratios)"
             out += ["", line + "."]
+        if figures:
+            out += ["", *FIGURES_HEADER, *figures]
         out.append("")
+    if cell_oracle is not None:
+        out += _baselines_against_oracle(s, cells, cell_oracle, limits, rates)
     out += _paired_with_default(s, cells, policies, rates)
     return "\n".join(out)
+
+
+def _baselines_against_oracle(s: BenchSettings, cells: list[Cell], cell_oracle: dict[str, int], limits: bool,
+                              rates: Callable[[list[RunSpec]], dict[int, float]]) -> list[str]:
+    """What each static setting costs: tuned-once (the changing cells), request-limit and high-load
+    (with ``limits``) over the cell's oracle, paired by seed. Empty when none of them ran."""
+    rows: list[str] = []
+    for cell in cells:
+        ceiling = cell_oracle.get(cell.id)
+        oracle = rates([sweep_run(cell, seed, ceiling) for seed in s.seeds]) if ceiling else {}
+        if not oracle:
+            continue
+        shown = [paired_ratio(rates(tuned_once_runs(cell, s.seeds)), oracle)]
+        if limits:
+            cell_limits = limit_runs(s, [cell])
+            shown += [paired_ratio(rates([b for b in cell_limits if b.baseline is which]), oracle)
+                      for which in (Baseline.REQUEST_LIMIT, Baseline.HIGH_LOAD)]
+        if any(r is not None for r in shown):
+            rows.append(f"| {cell.id} | " + " | ".join(_with_verdict(r) for r in shown) + " |")
+    if not rows:
+        return []
+    return ["### The baselines against the cell's oracle", "",
+            "| cell | tuned-once |" + (" request-limit | high-load |" if limits else ""),
+            "|---|---|" + ("---|---|" if limits else ""), *rows, ""]
+
+
+FIGURES_HEADER = (
+    "The figures beside the rate, the policy over the oracle on the same seeds (means over seeds; "
+    "iteration s on iteration cells only):",
+    "",
+    "| cell | units/min | requests/min | prefill tok/s | decode tok/s | preemptions per run | mean KV use "
+    "| iteration s |",
+    "|---|---|---|---|---|---|---|---|",
+)
+
+
+def _figure_rows(cell_id: str, mine: list[RunMetrics], oracle: list[RunMetrics]) -> list[str]:
+    """One row of ``FIGURES_HEADER``'s table: each figure as ``policy / oracle`` (the oracle's side
+    is ``-`` when its runs are not in the records)."""
+    if not mine:
+        return []
+
+    def pair(field: Callable[[RunMetrics], float | None], fmt: str, unit: str = "") -> str:
+        def avg(ms: list[RunMetrics]) -> str:
+            values = [v for x in ms if (v := field(x)) is not None]
+            return format(_mean(values), fmt) + unit if values else "-"
+        return f"{avg(mine)} / {avg(oracle)}"
+
+    return [f"| {cell_id} | {pair(lambda x: x.sample_rate_per_min, '.1f')} "
+            f"| {pair(lambda x: x.requests_per_min, '.0f')} | {pair(lambda x: x.prefill_tokens_per_s, '.0f')} "
+            f"| {pair(lambda x: x.decode_tokens_per_s, '.0f')} | {pair(lambda x: x.preemptions, '.0f')} "
+            f"| {pair(lambda x: 100 * x.mean_kv_usage, '.0f', '%')} | {pair(lambda x: x.mean_iteration_s, '.0f')} |"]
 
 
 PAIRED_BASE = "session-admission"

@@ -227,3 +227,47 @@ def test_the_in_sample_report_has_the_cell_oracle_and_v2s_per_seed_oracle_beside
     row = next(line for line in text.splitlines() if line.startswith("| kv-half@paper:4"))
     assert "x oracle per seed" in text and "1.10x" in row and "2.20x" in row
     assert "held-out" not in text
+
+
+def test_the_report_sets_the_figures_beside_the_rate_against_the_cells_oracle() -> None:
+    # Units/min, requests/min and the rest, the policy over the cell's oracle (not over tuned-once,
+    # which also runs on the cell), so the rate's ratio can be read against what moved it.
+    s, cells = select_cells(["kv-half@paper:4"])
+    held = held_out_settings(s, (3, 4, 5))
+    oracle_rate = {3: 100.0, 4: 120.0, 5: 80.0}
+    records: dict[str, RunRecord] = {}
+    for spec in held_out_runs(held, cells):
+        rate = oracle_rate[spec.seed_of(held)] * (1.0 if spec.baseline is Baseline.SWEEP else 0.5)
+        records[spec.key(held)] = _record(spec, held, rate)
+    for spec in variant_runs(held, cells, ["session-admission"]):
+        records[spec.key(held)] = _record(spec, held, 1.1 * oracle_rate[spec.seed_of(held)])
+    text = report(held, cells, ["session-admission"], records, cell_oracle=CELL_ORACLE_CEILINGS, held_out=True)
+    figures = text.split("The figures beside the rate", 1)[1]
+    row = next(line for line in figures.splitlines() if line.startswith("| kv-half@paper:4"))
+    assert row.startswith("| kv-half@paper:4 | 110.0 / 100.0 | 110 / 100 |")
+    assert "| 50% / 50% | - / - |" in row  # KV use as a percentage; no iterations on this cell
+    for spec in held_out_runs(held, cells):
+        if spec.baseline is Baseline.SWEEP:
+            del records[spec.key(held)]
+    text = report(held, cells, ["session-admission"], records, cell_oracle=CELL_ORACLE_CEILINGS, held_out=True)
+    assert "The figures beside the rate" not in text  # no oracle: the cell is "not run", no figures
+
+
+def test_the_report_reads_each_static_baseline_against_the_cells_oracle() -> None:
+    s, cells = select_cells(["kv-half@paper:4"])
+    held = held_out_settings(s, (3, 4, 5))
+    oracle_rate = {3: 100.0, 4: 120.0, 5: 80.0}
+    factor = {Baseline.SWEEP: 1.0, Baseline.REQUEST_LIMIT: 0.75, Baseline.HIGH_LOAD: 0.6}
+    records: dict[str, RunRecord] = {}
+    for spec in [*held_out_runs(held, cells), *limit_runs(held, cells)]:
+        rate = oracle_rate[spec.seed_of(held)] * factor.get(spec.baseline, 0.5)  # tuned-once: 0.5
+        records[spec.key(held)] = _record(spec, held, rate)
+    for spec in variant_runs(held, cells, ["session-admission"]):
+        records[spec.key(held)] = _record(spec, held, oracle_rate[spec.seed_of(held)])
+    text = report(held, cells, ["session-admission"], records, limits=True, cell_oracle=CELL_ORACLE_CEILINGS,
+                  held_out=True)
+    table = text.split("### The baselines against the cell's oracle", 1)[1]
+    row = next(line for line in table.splitlines() if line.startswith("| kv-half@paper:4"))
+    assert [cell.split()[0] for cell in row.strip("| ").split(" | ")[1:]] == ["0.50x", "0.75x", "0.60x"]
+    without = report(held, cells, ["session-admission"], records, cell_oracle=CELL_ORACLE_CEILINGS, held_out=True)
+    assert "request-limit | high-load |" not in without.split("### The baselines", 1)[1]
