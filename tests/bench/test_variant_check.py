@@ -7,7 +7,7 @@ import math
 import pytest
 
 from misat_bench.cluster_runs import RunMetrics, RunRecord
-from misat_bench.suite import CEILING_ROUNDING, Baseline, BenchSettings, RunSpec, sweep_run
+from misat_bench.suite import CEILING_ROUNDING, Baseline, BenchSettings, Cell, RunSpec, sweep_run
 from misat_bench.variant_check import (
     CELL_ORACLE_CEILINGS,
     TUNED_REQUEST_LIMITS,
@@ -169,16 +169,30 @@ def _record(spec: RunSpec, s: BenchSettings, rate: float) -> RunRecord:
     return RunRecord(key=spec.key(s), spec=spec, metrics=metrics, cpu_s=1.0, wall_s=1.0)
 
 
-def test_the_held_out_report_pairs_each_variant_with_the_cell_oracle_on_the_same_new_seed() -> None:
+_HELD_OUT_ORACLE = {3: 100.0, 4: 120.0, 5: 80.0}
+"""The cell oracle's rate per held-out seed in the report tests (uneven, so a ratio is per seed)."""
+
+
+def _held_out_kv_half(
+    policy_factor: float, limits: bool = False
+) -> tuple[BenchSettings, list[Cell], dict[str, RunRecord]]:
+    """kv-half@paper:4 on held-out seeds 3-5: the oracle at ``_HELD_OUT_ORACLE``, tuned-once at half of
+    it, request-limit and high-load (with ``limits``) at 0.75 and 0.6 of it, the default at
+    ``policy_factor`` of it."""
     s, cells = select_cells(["kv-half@paper:4"])
     held = held_out_settings(s, (3, 4, 5))
-    oracle_rate = {3: 100.0, 4: 120.0, 5: 80.0}
+    factor = {Baseline.SWEEP: 1.0, Baseline.REQUEST_LIMIT: 0.75, Baseline.HIGH_LOAD: 0.6}
     records: dict[str, RunRecord] = {}
-    for spec in held_out_runs(held, cells):
-        rate = oracle_rate[spec.seed_of(held)] * (1.0 if spec.baseline is Baseline.SWEEP else 0.5)
+    for spec in [*held_out_runs(held, cells), *(limit_runs(held, cells) if limits else [])]:
+        rate = _HELD_OUT_ORACLE[spec.seed_of(held)] * factor.get(spec.baseline, 0.5)  # tuned-once: 0.5
         records[spec.key(held)] = _record(spec, held, rate)
     for spec in variant_runs(held, cells, ["session-admission"]):
-        records[spec.key(held)] = _record(spec, held, 1.1 * oracle_rate[spec.seed_of(held)])
+        records[spec.key(held)] = _record(spec, held, policy_factor * _HELD_OUT_ORACLE[spec.seed_of(held)])
+    return held, cells, records
+
+
+def test_the_held_out_report_pairs_each_variant_with_the_cell_oracle_on_the_same_new_seed() -> None:
+    held, cells, records = _held_out_kv_half(1.1)
     text = report(held, cells, ["session-admission"], records, cell_oracle=CELL_ORACLE_CEILINGS, held_out=True)
     row = next(line for line in text.splitlines() if line.startswith("| kv-half@paper:4"))
     assert "1.10x" in row and "win" in row  # 1.1 on every seed: a zero-width interval above 1
@@ -232,15 +246,7 @@ def test_the_in_sample_report_has_the_cell_oracle_and_v2s_per_seed_oracle_beside
 def test_the_report_sets_the_figures_beside_the_rate_against_the_cells_oracle() -> None:
     # Units/min, requests/min and the rest, the policy over the cell's oracle (not over tuned-once,
     # which also runs on the cell), so the rate's ratio can be read against what moved it.
-    s, cells = select_cells(["kv-half@paper:4"])
-    held = held_out_settings(s, (3, 4, 5))
-    oracle_rate = {3: 100.0, 4: 120.0, 5: 80.0}
-    records: dict[str, RunRecord] = {}
-    for spec in held_out_runs(held, cells):
-        rate = oracle_rate[spec.seed_of(held)] * (1.0 if spec.baseline is Baseline.SWEEP else 0.5)
-        records[spec.key(held)] = _record(spec, held, rate)
-    for spec in variant_runs(held, cells, ["session-admission"]):
-        records[spec.key(held)] = _record(spec, held, 1.1 * oracle_rate[spec.seed_of(held)])
+    held, cells, records = _held_out_kv_half(1.1)
     text = report(held, cells, ["session-admission"], records, cell_oracle=CELL_ORACLE_CEILINGS, held_out=True)
     figures = text.split("The figures beside the rate", 1)[1]
     row = next(line for line in figures.splitlines() if line.startswith("| kv-half@paper:4"))
@@ -254,16 +260,7 @@ def test_the_report_sets_the_figures_beside_the_rate_against_the_cells_oracle() 
 
 
 def test_the_report_reads_each_static_baseline_against_the_cells_oracle() -> None:
-    s, cells = select_cells(["kv-half@paper:4"])
-    held = held_out_settings(s, (3, 4, 5))
-    oracle_rate = {3: 100.0, 4: 120.0, 5: 80.0}
-    factor = {Baseline.SWEEP: 1.0, Baseline.REQUEST_LIMIT: 0.75, Baseline.HIGH_LOAD: 0.6}
-    records: dict[str, RunRecord] = {}
-    for spec in [*held_out_runs(held, cells), *limit_runs(held, cells)]:
-        rate = oracle_rate[spec.seed_of(held)] * factor.get(spec.baseline, 0.5)  # tuned-once: 0.5
-        records[spec.key(held)] = _record(spec, held, rate)
-    for spec in variant_runs(held, cells, ["session-admission"]):
-        records[spec.key(held)] = _record(spec, held, oracle_rate[spec.seed_of(held)])
+    held, cells, records = _held_out_kv_half(1.0, limits=True)
     text = report(held, cells, ["session-admission"], records, limits=True, cell_oracle=CELL_ORACLE_CEILINGS,
                   held_out=True)
     table = text.split("### The baselines against the cell's oracle", 1)[1]
