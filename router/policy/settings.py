@@ -302,7 +302,9 @@ class PolicySettings(_Settings):
         description="Share of each engine's KV the router may allocate to sessions (the rest "
         "absorbs growth between scrapes). With the default footprint (occupancy) 0.9 measured "
         "best of 0.7, 0.8, 0.9, 0.95 and 1.0 on the benchmark matrix: below it the rate falls, above "
-        "it the rate is flat and prefix hits fall (docs/policy.md).",
+        "it the rate is flat and prefix hits fall (docs/policy.md). Where prefix hits matter more "
+        "than the last percent of rate, 0.8 kept every cell's hit within 2.8 points of the ideal "
+        "(0.9: 5.6) at 1.2% less rate on average.",
     )
     concurrency_limit: int | None = Field(
         None, ge=1,
