@@ -124,6 +124,14 @@ class Policy(ABC):
         first. None (the default): arrival order, for every class."""
         return None
 
+    def hold_order(self, req: RequestMeta) -> tuple[int, float] | None:
+        """For a held new session about to be decided again: a key such that, within one release
+        pass, a hold of one held new session implies the same hold (the same reason) of every
+        later one whose key is at least as large in both places. A pass only places work, so
+        the policy must hold it whenever what frees room (a finish, a scrape, a session's end)
+        cannot happen in between. None (the default): no such promise, decide every one."""
+        return None
+
     def on_engine_removed(self, engine_id: str, now: float) -> None:
         self.load.drop_engine(engine_id)
 

@@ -469,6 +469,17 @@ class MisaPolicy(Policy):
             reason = kinds.pop() if len(kinds) == 1 else rejected[self._by_cost(req, engines, list(rejected))[-1][1]]
         return Decision.hold(reason, {"k_ref": k_ref, "k_b": k_b})
 
+    def hold_order(self, req: RequestMeta) -> tuple[int, float] | None:
+        """``(samples, k_ref)`` of a held new session when caps do not depend on its class (no
+        class budgets): its every engine check is ``occupied + samples > cap(k_ref)`` or the KV
+        gate, neither of which reads the class (a held request's demand leaves it out, so its
+        ``k_ref`` is the population's). Within a release pass occupancy only grows and snapshots
+        and guards stand still, so more samples or a larger ``k_ref`` (smaller caps) is held
+        wherever a smaller key was, for the same reason."""
+        if self.budgets_on or req.request_id not in self.held_ids:
+            return None
+        return req.samples, self.reference_footprint(self._demand(None))
+
     # ---- learning hooks -------------------------------------------------
 
     def _count(self, engine_id: str, workload_class: str, delta: int) -> None:

@@ -67,6 +67,9 @@ class PolicyRunner:
         self._held_continuations = 0
         self.sessions: dict[str, SessionRecord] = {}
         self.sessions_ended_idle = 0
+        self.imply_holds = True
+        """Hold without deciding where ``Policy.hold_order`` implies it (speed only; tests turn it
+        off to check the answers are the same)."""
 
     # ---- requests -------------------------------------------------------
 
@@ -119,6 +122,11 @@ class PolicyRunner:
         blocked: set[str] = set()
         classes_held = len(self._held_per_class)
         for_new = _without(engines, draining)
+        # The smallest hold_order key held so far in this pass, with its reason: a later new
+        # session at or above it is held without deciding (Policy.hold_order says why that is
+        # the decision's own answer). A full fleet re-checks the head of every held class at
+        # each finish, and on a large fleet those checks were most of a pass.
+        held_at: tuple[int, float, Reason] | None = None
         # Iterate the ledger itself (no copy: it can be long); entries placed in this
         # pass are unheld at once for the policy's books and popped after the loop.
         for entry in self._release_order():
@@ -126,6 +134,14 @@ class PolicyRunner:
             if req.workload_class in blocked and not entry.continuation:
                 if not self._held_continuations and len(blocked) >= classes_held:
                     break  # every class is blocked and nothing else can pass
+                continue
+            # A held new session whose session went live in this pass (another request of it
+            # was placed) is a continuation now: decided, never implied.
+            new_session = not entry.continuation and req.session_key not in self.sessions
+            order = self.policy.hold_order(req) if new_session and self.imply_holds else None
+            if held_at is not None and order is not None and order[0] >= held_at[0] and order[1] >= held_at[1]:
+                entry.reason = held_at[2]
+                blocked.add(req.workload_class)
                 continue
             decision = self.policy.decide(
                 req, engines if self._pinned_to(req, entry.continuation, draining) else for_new, now
@@ -135,6 +151,8 @@ class PolicyRunner:
                 if decision.reason is Reason.HOLD_CONCURRENCY_LIMIT:
                     break  # a global limit: nothing after this entry passes in this pass either
                 blocked.add(req.workload_class)
+                if order is not None and held_at is None:
+                    held_at = (order[0], order[1], decision.reason)
                 continue
             self.policy.on_unhold(req, now)
             assert decision.engine_id is not None

@@ -77,7 +77,7 @@ def make(name: PolicyName, limit: int | None = None) -> PolicyRunner:
     return PolicyRunner(build_policy(s, MIX), MIX)
 
 
-def snapshot_set(seed: int, now: float) -> dict[str, EngineSnapshot]:
+def snapshot_set(seed: int, now: float, capacity: int = 20_000) -> dict[str, EngineSnapshot]:
     # Deterministic pseudo-random health and load from the op's numbers.
     out = {}
     for i, e in enumerate(ENGINES):
@@ -85,7 +85,7 @@ def snapshot_set(seed: int, now: float) -> dict[str, EngineSnapshot]:
         out[e] = EngineSnapshot(
             engine_id=e,
             healthy=not (bits and i == (seed % 3)),
-            kv_capacity_tokens=20_000,
+            kv_capacity_tokens=capacity,
             num_running=(seed // 7 + i) % 5,
             prefix_queries_total=float(seed * 100 + i),
             prefix_hits_total=float(seed * 50),
@@ -99,9 +99,12 @@ def check_decision(d: Decision, engines: dict[str, EngineSnapshot]) -> None:
         assert d.engine_id in engines and engines[d.engine_id].healthy, "placed on an unhealthy engine"
 
 
-def run(runner: PolicyRunner, ops: list[tuple[str, int, int]], check_caps: bool = False) -> Trace:
+def run(runner: PolicyRunner, ops: list[tuple[str, int, int]], check_caps: bool = False,
+        group_samples: bool = False, capacity: int = 20_000) -> Trace:
+    """Replay ``ops``; with ``group_samples``, a new single-turn request asks for 1-3 samples;
+    ``capacity``: each engine's KV in tokens."""
     trace = Trace()
-    engines = snapshot_set(0, 0.0)
+    engines = snapshot_set(0, 0.0, capacity)
     now = 0.0
     n = 0
     live_sessions: list[str] = []
@@ -119,8 +122,10 @@ def run(runner: PolicyRunner, ops: list[tuple[str, int, int]], check_caps: bool 
                 sid, turn = (f"s{n}" if cls == "agentic" else None), 0
             n += 1
             ids = tuple(range(a % 7, a % 7 + 16 * (1 + b % 6)))
+            samples = 1 + b % 3 if group_samples and sid is None else 1
             req = RequestMeta(f"r{n}", cls, session_id=sid, turn=turn, prompt_token_ids=ids,
-                              prompt_tokens=len(ids), end_of_session=(b % 4 == 0 and sid is not None))
+                              prompt_tokens=len(ids), end_of_session=(b % 4 == 0 and sid is not None),
+                              samples=samples)
             trace.submitted[req.request_id] = req
             before = _caps(runner, engines) if check_caps else None
             d = runner.submit(req, engines, now)
@@ -140,7 +145,7 @@ def run(runner: PolicyRunner, ops: list[tuple[str, int, int]], check_caps: bool 
         elif kind == "end" and live_sessions:
             runner.end_session(live_sessions.pop(a % len(live_sessions)), now)
         elif kind == "metrics":
-            engines = snapshot_set(a, now)
+            engines = snapshot_set(a, now, capacity)
             runner.on_metrics(engines, now)
             for e, snap in engines.items():
                 if not snap.healthy and b % 5 == 0:
