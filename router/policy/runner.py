@@ -122,8 +122,8 @@ class PolicyRunner:
         blocked: set[str] = set()
         classes_held = len(self._held_per_class)
         for_new = _without(engines, draining)
-        # The smallest hold_order key held so far in this pass, with its reason: a later new
-        # session at or above it is held without deciding (Policy.hold_order says why that is
+        # The hold_order key of the first new session this pass held, with its reason: a later
+        # new session at or above it is held without deciding (Policy.hold_order says why that is
         # the decision's own answer). A full fleet re-checks the head of every held class at
         # each finish, and on a large fleet those checks were most of a pass.
         held_at: tuple[int, float, Reason] | None = None
@@ -137,12 +137,13 @@ class PolicyRunner:
                 continue
             # A held new session whose session went live in this pass (another request of it
             # was placed) is a continuation now: decided, never implied.
-            new_session = not entry.continuation and req.session_key not in self.sessions
-            order = self.policy.hold_order(req) if new_session and self.imply_holds else None
-            if held_at is not None and order is not None and order[0] >= held_at[0] and order[1] >= held_at[1]:
-                entry.reason = held_at[2]
-                blocked.add(req.workload_class)
-                continue
+            new_session = self.imply_holds and not entry.continuation and req.session_key not in self.sessions
+            if new_session and held_at is not None:
+                order = self.policy.hold_order(req)
+                if order is not None and order[0] >= held_at[0] and order[1] >= held_at[1]:
+                    entry.reason = held_at[2]
+                    blocked.add(req.workload_class)
+                    continue
             decision = self.policy.decide(
                 req, engines if self._pinned_to(req, entry.continuation, draining) else for_new, now
             )
@@ -151,8 +152,11 @@ class PolicyRunner:
                 if decision.reason is Reason.HOLD_CONCURRENCY_LIMIT:
                     break  # a global limit: nothing after this entry passes in this pass either
                 blocked.add(req.workload_class)
-                if order is not None and held_at is None:
-                    held_at = (order[0], order[1], decision.reason)
+                if new_session and held_at is None:
+                    # decide() changed nothing, so the key is the one it decided on.
+                    first = self.policy.hold_order(req)
+                    if first is not None:
+                        held_at = (first[0], first[1], decision.reason)
                 continue
             self.policy.on_unhold(req, now)
             assert decision.engine_id is not None
