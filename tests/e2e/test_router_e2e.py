@@ -840,12 +840,15 @@ async def test_a_keep_pause_freezes_streams_on_real_vllm_and_the_resume_finishes
         assert await router.metric_sum("misat_requests_total", outcome="ok") == KEEP_STREAMS
         after = await engine_counters(http, vllm_base_urls)
         preempted = _delta(after, before, M_PREEMPTIONS)
-        # The requests running on the frozen engines before the pause stayed there and were
-        # preempted by the reset (vLLM's counts). Only the frozen engines': an engine whose streams
-        # ended between the read and the pause is not frozen, and an idle engine's gauge keeps its
-        # last step's count (a run read 4 running over both engines, froze one, saw 2 preempted).
+        # The requests on the frozen engines stayed there and were preempted by the reset (vLLM's
+        # counts), each frozen engine's own. The running gauge read before the pause bounds that
+        # from below only where it is fresh: an engine's gauge is its last logged step's, so an
+        # engine whose streams began after the read shows 0 (a run read 2 and 0, froze the 0, and
+        # saw 2 preempted) and one whose streams ended since is not frozen at all.
         running_frozen = sum(running[u] for u in frozen)
-        assert preempted >= running_frozen > 0, (running, preempted, frozen)
+        preempted_frozen = {u: after[u].get(M_PREEMPTIONS, 0.0) - before[u].get(M_PREEMPTIONS, 0.0) for u in frozen}
+        assert all(n > 0 for n in preempted_frozen.values()), (running, preempted_frozen, frozen)
+        assert sum(preempted_frozen.values()) >= running_frozen, (running, preempted_frozen, frozen)
         record_figure("in_flight_at_keep_pause", paused["requests_in_flight"])
         record_figure("frozen_engines", len(frozen))
         record_figure("running_at_keep_pause", running_frozen)
