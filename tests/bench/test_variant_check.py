@@ -268,3 +268,16 @@ def test_the_report_reads_each_static_baseline_against_the_cells_oracle() -> Non
     assert [cell.split()[0] for cell in row.strip("| ").split(" | ")[1:]] == ["0.50x", "0.75x", "0.60x"]
     without = report(held, cells, ["session-admission"], records, cell_oracle=CELL_ORACLE_CEILINGS, held_out=True)
     assert "request-limit | high-load |" not in without.split("### The baselines", 1)[1]
+
+
+def test_the_goal_verdicts_read_the_unrounded_mean() -> None:
+    # 1.02997 prints as 1.030x; the mean goal (>= 1.03x) is not met, and the line says so with the figure.
+    held, cells, records = _held_out_kv_half(1.02997)
+    text = report(held, cells, ["session-admission"], records, cell_oracle=CELL_ORACLE_CEILINGS, held_out=True)
+    line = next(line for line in text.splitlines() if line.startswith("Mean over"))
+    assert "1.030x (goal >= 1.03x not met: 1.02997x)" in line
+    assert "kv-half@paper:4 1.030x (goal >= 0.97x met)" in line  # far from its goal: no extra digits
+    held, cells, records = _held_out_kv_half(0.96)
+    text = report(held, cells, ["session-admission"], records, cell_oracle=CELL_ORACLE_CEILINGS, held_out=True)
+    line = next(line for line in text.splitlines() if line.startswith("Mean over"))
+    assert "0.960x (goal >= 1.03x not met)" in line and "0.960x (goal >= 0.97x not met)" in line
