@@ -275,9 +275,28 @@ def test_the_goal_verdicts_read_the_unrounded_mean() -> None:
     held, cells, records = _held_out_kv_half(1.02997)
     text = report(held, cells, ["session-admission"], records, cell_oracle=CELL_ORACLE_CEILINGS, held_out=True)
     line = next(line for line in text.splitlines() if line.startswith("Mean over"))
-    assert "1.030x (goal >= 1.03x not met: 1.02997x)" in line
+    assert "1.030x (1.030-1.030 over 3 seeds) (goal >= 1.03x not met: 1.02997x)" in line
     assert "kv-half@paper:4 1.030x (goal >= 0.97x met)" in line  # far from its goal: no extra digits
     held, cells, records = _held_out_kv_half(0.96)
     text = report(held, cells, ["session-admission"], records, cell_oracle=CELL_ORACLE_CEILINGS, held_out=True)
     line = next(line for line in text.splitlines() if line.startswith("Mean over"))
-    assert "0.960x (goal >= 1.03x not met)" in line and "0.960x (goal >= 0.97x not met)" in line
+    assert "0.960x (0.960-0.960 over 3 seeds) (goal >= 1.03x not met)" in line
+    assert "0.960x (goal >= 0.97x not met)" in line
+
+
+def test_the_means_over_cells_carry_an_interval_paired_by_seed() -> None:
+    # Two cells on seeds 3-5: per seed, the mean over the cells, then the interval over the seeds.
+    s, cells = select_cells(["kv-half@paper:4", "kv-double@paper:4"])
+    held = held_out_settings(s, (3, 4, 5))
+    factor = {("kv-half@paper:4", 3): 1.0, ("kv-half@paper:4", 4): 1.1, ("kv-half@paper:4", 5): 1.2,
+              ("kv-double@paper:4", 3): 1.2, ("kv-double@paper:4", 4): 1.1, ("kv-double@paper:4", 5): 1.0}
+    records: dict[str, RunRecord] = {}
+    for spec in held_out_runs(held, cells):
+        records[spec.key(held)] = _record(spec, held, 100.0 if spec.baseline is Baseline.SWEEP else 50.0)
+    for spec in variant_runs(held, cells, ["session-admission"]):
+        records[spec.key(held)] = _record(spec, held, 100.0 * factor[(spec.cell(held).id, spec.seed_of(held))])
+    text = report(held, cells, ["session-admission"], records, cell_oracle=CELL_ORACLE_CEILINGS, held_out=True)
+    line = next(line for line in text.splitlines() if line.startswith("Mean over"))
+    # Every seed's mean over the two cells is 1.1: the cells' spreads cancel, so the interval is a point.
+    assert "Mean over 2 cells 1.100x (1.100-1.100 over 3 seeds)" in line
+    assert "x tuned-once over the changing cells 2.200x (2.200-2.200 over 3 seeds)" in line
