@@ -83,6 +83,16 @@ def test_each_goal_can_fail_on_its_own_figure() -> None:
     assert _goals([_cell("a", "steady", GOOD, tv=1.9, noise=1.0)])["TV above sampling noise, every cell"] is True
 
 
+def test_a_figure_that_rounds_onto_its_goal_is_shown_unrounded() -> None:
+    # 1.0299 prints as 1.03x: the goal (>= 1.03x) is not met, and the line shows why.
+    edge = {**GOOD, "oracle": [1.0299, 1.0299, 1.0299]}
+    goals = {g.goal: g for g in evaluate_goals([_cell("steady@paper:4", "steady", edge)])}
+    mean = goals["x oracle, mean over cells"]
+    assert mean.met is False and "1.03x" in mean.measured and "unrounded 1.02990x" in mean.measured
+    assert "unrounded" not in goals["x oracle, every cell"].measured  # far from 0.97x: no extra digits
+    assert "unrounded" not in goals["x request-limit, mean over cells"].measured
+
+
 def test_goals_without_the_policy_are_not_evaluated() -> None:
     assert all(v is None for v in _goals([]).values())
 
