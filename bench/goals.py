@@ -53,11 +53,16 @@ def paired_mean(per_cell: list[dict[int, float]]) -> Interval | None:
     return mean_interval([statistics.fmean(statistics.fmean(d.values()) for d in per_cell if d)])
 
 
+def rounds_onto(measured: float, target: float, decimals: int) -> bool:
+    """Whether ``measured``, printed to ``decimals``, reads as ``target``: the printed figure then
+    hides which side of the goal it falls (1.0299 reads 1.03x against >= 1.03x, and is not met)."""
+    return f"{measured:.{decimals}f}" == f"{target:.{decimals}f}"
+
+
 def _interval_text(i: Interval, threshold: float | None = None) -> str:
-    """The interval at two decimals, and the unrounded mean when rounding would hide which side of
-    ``threshold`` it falls (1.0299 reads 1.03x against a goal of 1.03x, and is not met)."""
+    """The interval at two decimals, and the unrounded mean where those hide the goal's side."""
     text = i.describe()
-    if threshold is not None and f"{i.mean:.2f}" == f"{threshold:.2f}":
+    if threshold is not None and rounds_onto(i.mean, threshold, 2):
         text += f" (unrounded {i.mean:.5f}x)"
     return text
 

@@ -44,7 +44,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from misat_bench.cluster_runs import RunCache, RunMetrics, RunRecord, run_all
-from misat_bench.goals import EVERY_CELL_VS_ORACLE, MEAN_VS_ORACLE, paired_mean
+from misat_bench.goals import EVERY_CELL_VS_ORACLE, MEAN_VS_ORACLE, paired_mean, rounds_onto
 from misat_bench.stats import Interval, Verdict, paired_ratio, verdict
 from misat_bench.suite import (
     CHANGING_WORKLOADS,
@@ -251,8 +251,8 @@ def _goal_verdict(measured: float, target: float) -> str:
     """``measured`` against a goal of at least ``target``, said with the unrounded figure when rounding
     to the report's three decimals would hide which side of the goal it falls."""
     met = measured >= target
-    close = f"{measured:.3f}" == f"{target:.3f}"
-    return f"goal >= {target:g}x {'met' if met else 'not met'}" + (f": {measured:.5f}x" if close else "")
+    unrounded = f": {measured:.5f}x" if rounds_onto(measured, target, 3) else ""
+    return f"goal >= {target:g}x {'met' if met else 'not met'}{unrounded}"
 
 
 def _mean(values: list[float]) -> float:
