@@ -313,7 +313,7 @@ class Cluster:
                 # before it (advance would return an empty result): on a large fleet most
                 # engines are mid-step at most of the cluster's events.
                 if eng.clock < until and eng.has_unfinished_requests():
-                    res = eng.advance(self.now, until)
+                    res = eng.advance(self.now, until, count_tokens=False)
                     finished.extend((f.finish_time, engine_id, f) for f in res.finished)
             for item in finished:
                 self._push(item[0], "finish", (item[1], item[2]))

@@ -72,6 +72,7 @@ class StepResult:
     num_preempted: int = 0
     _tokens: dict[str, int] = field(default_factory=dict)
     _lazy: list[tuple[SimRequest, int]] | None = None
+    _counted: bool = True
     _g0: int = 0
     _g1: int = 0
 
@@ -87,7 +88,10 @@ class StepResult:
         Built on first access: requests in lazy decode emitted one token per
         step since they became lazy or since the call began, and counting that
         per request on every call would make a step cost per running request.
+        Raises if the call was made with ``count_tokens=False``.
         """
+        if not self._counted:
+            raise RuntimeError("this result was produced with count_tokens=False: it has no new_tokens")
         lazy = self._lazy
         if lazy is not None:
             self._lazy = None
@@ -262,11 +266,13 @@ class SimEngine:
         self._one_step(start, result)
         return self._seal(result)
 
-    def advance(self, now: float, until: float) -> StepResult:
+    def advance(self, now: float, until: float, *, count_tokens: bool = True) -> StepResult:
         """Run every step that starts before ``until`` (while there is work).
 
         Use it to move an engine to its caller's next event; the engine's
         ``clock`` ends at the end of the last step run (possibly past ``until``).
+        ``count_tokens=False``: the caller never reads ``new_tokens`` (the in-process
+        cluster), so the lazy requests are not listed for it (speed only).
         """
         start = now if now > self.clock else self.clock
         result = self._begin(start)
@@ -278,7 +284,7 @@ class SimEngine:
             if out is not None and t < until and sched.can_run_decode_steps(out):
                 self._decode_run(t, until, result)
                 t = self.clock
-        return self._seal(result)
+        return self._seal(result, count_tokens)
 
     def _begin(self, start: float) -> StepResult:
         sched = self.scheduler
@@ -286,11 +292,14 @@ class SimEngine:
         sched.call_tokens = {}
         return StepResult(start=start)
 
-    def _seal(self, result: StepResult) -> StepResult:
+    def _seal(self, result: StepResult, count_tokens: bool = True) -> StepResult:
         """Attach what ``StepResult.new_tokens`` needs (explicit counts, lazy bases)."""
         sched = self.scheduler
         result._tokens = sched.call_tokens
         sched.call_tokens = {}
+        if not count_tokens:
+            result._counted = False
+            return result
         result._g0 = sched.call_g0
         result._g1 = sched.clock.g
         if result._g1 > result._g0 and sched.num_lazy:

@@ -3,9 +3,10 @@
 Generated tokens are a seeded function of (engine seed, prompt, sample index),
 so a run is reproducible and a preempted request regenerates nothing (vLLM
 keeps output tokens across a recompute preemption, and so do we). They are
-produced lazily, a block at a time, from one ``random.Random`` per request:
-the engine advances a counter per decode step and only materialises ids when
-a block fills (its hash needs them) or a caller asks for them.
+produced lazily from one ``random.Random`` per request: the engine advances a
+counter per decode step and only materialises ids when a block fills (its
+hash needs them) or a caller asks for them; the first such need draws every
+id up to the request's stop length at once.
 
 Discarded outputs: a caller that will never read a request's output ids (the
 in-process cluster, for a session's last turn) says so at ``add_request``, and
@@ -28,11 +29,11 @@ from __future__ import annotations
 import itertools
 import math
 import random
-from array import array
 from collections.abc import Sequence
 from enum import StrEnum
 
 from misat_sim.kv_cache import NONE_HASH, KVBlock
+from misat_sim.token_ids import draw_token_ids
 
 _DISCARDED_OUTPUT_KEYS = itertools.count(1 << 64)
 """Keys of blocks holding discarded outputs: above every value ``hash()`` returns, never reused."""
@@ -91,6 +92,7 @@ class SimRequest:
     """Mutable state of one request, shaped like vLLM's ``Request``."""
 
     __slots__ = (
+        "_ahead",
         "_bg",
         "_block_hashes",
         "_clock",
@@ -158,6 +160,8 @@ class SimRequest:
         self.stops_on_eos = stop <= max_tokens
         self.stop_length = min(stop, max_tokens)
         self.output_token_ids: list[int] = []
+        self._ahead: list[int] = []
+        """Output ids drawn so far (``output_token_ids`` is the emitted part of it)."""
         self._out = 0
         self._comp = 0
         self._bg = -1
@@ -221,15 +225,18 @@ class SimRequest:
                                "ids are never drawn")
         target = self.num_output_tokens if upto is None else min(upto, self.num_output_tokens)
         out = self.output_token_ids
-        missing = target - len(out)
-        if missing > 0:
-            lo = self.token_low
-            span = self.token_high - lo
-            eos = self.eos_token_id
-            raw = array("I", self._rng.randbytes(4 * missing))
-            out.extend([v if (v := lo + x % span) != eos else lo for x in raw])
-            if self.stops_on_eos and len(out) >= self.stop_length:
-                out[self.stop_length - 1] = eos
+        if target > len(out):
+            ahead = self._ahead
+            if target > len(ahead):
+                # Every id up to the stop in one draw, not one per block as they are needed: the
+                # stream is the same (it is this request's alone, and nothing else is drawn from it
+                # after the stop length), and a draw's fixed cost is paid once (speed only).
+                lo = self.token_low
+                more = max(target, self.stop_length) - len(ahead)
+                ahead.extend(draw_token_ids(self._rng, more, lo, self.token_high - lo, self.eos_token_id))
+                if self.stops_on_eos and len(ahead) >= self.stop_length:
+                    ahead[self.stop_length - 1] = self.eos_token_id
+            out.extend(ahead[len(out) : target])
         return out
 
     def token_at(self, position: int) -> int:

@@ -224,3 +224,15 @@ def test_counts_of_a_lazily_decoding_request_read_exactly(make_engine) -> None:
     assert req.num_computed_tokens == req.num_tokens - 1
     assert len(e.output_token_ids("a")) == req.num_output_tokens
     assert len(req.blocks) == -(-req.num_computed_tokens // e.limits.block_size)
+
+
+def test_advance_without_token_counts_runs_the_same_and_refuses_to_count(make_engine) -> None:
+    counted, uncounted = make_engine(), make_engine()
+    for e in (counted, uncounted):
+        e.add_request("a", _prompt(10), 40, ignore_eos=True, arrival_time=0.0)
+    r1 = counted.advance(0.0, 0.05)
+    r2 = uncounted.advance(0.0, 0.05, count_tokens=False)
+    assert (r2.num_steps, r2.end) == (r1.num_steps, r1.end) and r1.new_tokens["a"] == r1.num_steps
+    assert counted.get_request("a").num_output_tokens == uncounted.get_request("a").num_output_tokens
+    with pytest.raises(RuntimeError, match="count_tokens=False"):
+        _ = r2.new_tokens
