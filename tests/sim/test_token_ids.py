@@ -21,7 +21,7 @@ def _per_token(rng: random.Random, n: int, low: int, span: int, avoid: int | Non
     return out
 
 
-# Either side of the switch from the plain loop to NumPy, and a full-length context.
+# Short and long draws, and a full-length context.
 @pytest.mark.parametrize("n", [0, 1, 47, 48, 49, 1000, 40_000])
 @pytest.mark.parametrize("avoid", [None, 2, LOW, 1000, LOW + SPAN - 1, LOW + SPAN])
 def test_ids_are_the_per_token_rule_of_the_same_stream(n: int, avoid: int | None):
@@ -40,8 +40,8 @@ def test_the_stream_moves_on_as_far_as_the_per_token_rule_takes_it():
 
 
 def test_equal_ids_are_one_object_across_draws():
-    # What makes a re-sent context compare and hash at C speed: the tree and the engine see
-    # the same objects, whichever draw (prompt or output, short or long) produced them.
+    # What lets a re-sent context compare by identity and cost a pointer a token: the tree and
+    # the engine see the same objects, whichever draw (prompt or output, short or long) made them.
     a = draw_token_ids(random.Random(1), 5_000, LOW, SPAN)
     b = draw_token_ids(random.Random(2), 20, LOW, SPAN)
     seen = {v: v for v in a}
