@@ -12,7 +12,7 @@ and nothing reads an id's identity):
   tree finds where a session's growing prompt and its edges part without
   comparing values;
 - a context held by the workload, the engines and the tree costs a pointer a
-  token, not an ``int`` object each (a full-length run's peak fell 3.7x).
+  token, not an ``int`` object each (a full-length run's peak fell 3.8x).
 
 NumPy would draw long runs about 4x faster (measured: 3-4% of a 1/16-length
 cluster run, 16-18% at full length), not enough to make it a dependency of
