@@ -22,8 +22,8 @@ sessions for all. It prints high-load/oracle, default/oracle and default/high-lo
 
 Three more variants ask what it takes to collapse as deeply as the paper (-55%) and the
 reference model of docs/misa-t.md (0.42x) did, neither of which the measured bounds reach:
-``prefill-x4`` and ``prefill-x8`` price prefill at 4 and 8 times the profile's (about 2 and
-4 times the composed pass, the dearest measured bound); ``reference-kv`` gives every engine the
+``prefill-x4`` and ``prefill-x8`` price prefill at 4 and 8 times the profile's (1.9 and 3.7
+times the composed pass, the dearest measured bound); ``reference-kv`` gives every engine the
 KV the reference model assumed (1M tokens per replica at length scale 1/16, 6.8 times what a
 TP4 H100 replica of this model holds), with the ceiling grid and the high ceiling scaled by the
 same factor, since the knee moves with the KV.
