@@ -274,8 +274,10 @@ def tune(s: DemoSettings, spec: RolloutPoolSpec, console: Console) -> Tuning:
     if not s.retune:
         for path in (CACHED_SWEEPS, local):
             hit = _read_sweeps(path).get(key)
-            if hit is not None:
-                t = Tuning.model_validate(hit)
+            if isinstance(hit, dict):
+                # The entry's key is the one it is filed under: entries carry none of their own
+                # (caches written before may, and a re-keyed file would leave those stale).
+                t = Tuning.model_validate({**hit, "key": key})
                 t.source = f"read from the cached sweep in {path} (key {key}; --retune runs it again)"
                 return t
     console.print(f"tuning: no cached sweep matches (key {key}); sweeping cache_aware ceilings "
@@ -299,7 +301,7 @@ def tune(s: DemoSettings, spec: RolloutPoolSpec, console: Console) -> Tuning:
                f"saved in {local}")
     s.out.mkdir(parents=True, exist_ok=True)
     cached = _read_sweeps(local)
-    cached[key] = t.model_dump(mode="json", exclude={"source"})
+    cached[key] = t.model_dump(mode="json", exclude={"source", "key"})
     local.write_text(json.dumps(cached, indent=2, sort_keys=True) + "\n")
     return t
 

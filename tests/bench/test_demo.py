@@ -73,6 +73,10 @@ def test_a_tuning_sweep_is_cached_by_what_it_depends_on(tmp_path: Path) -> None:
     assert first.ceiling == max(first.sweep, key=lambda c: (first.sweep[c], -c))
     again = tune(s, spec, console)
     assert again.source.startswith("read from the cached sweep") and again.ceiling == first.ceiling
+    # Filed under its key alone: re-keying the file (docs/demo.md) leaves no stale copy inside.
+    saved = json.loads((tmp_path / "tuning.json").read_text())
+    assert list(saved) == [tuning_key(s, spec)] and "key" not in saved[tuning_key(s, spec)]
+    assert again.key == tuning_key(s, spec)
     # Another fleet or window is another key: the cached sweep is not reused for it.
     assert tuning_key(s.model_copy(update={"duration_s": 60.0}), spec) != tuning_key(s, spec)
     assert tune(s.model_copy(update={"retune": True}), spec, console).source.startswith("swept now")
@@ -102,3 +106,4 @@ def test_the_shipped_sweeps_match_the_default_and_quick_demo_as_the_code_stands(
     for s in (DemoSettings(), DemoSettings.model_validate(QUICK)):
         key = tuning_key(s, load_pool(s)[1])
         assert key in shipped, f"no shipped sweep for key {key} (settings {s.model_dump(mode='json')})"
+        assert "key" not in shipped[key], "an entry is filed under its key alone (it would go stale on re-keying)"
