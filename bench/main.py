@@ -38,6 +38,7 @@ from rich.console import Console
 from misat_bench.cluster_runs import RunCache, RunRecord, dump_records, run_all
 from misat_bench.goals import evaluate_goals, render_goals
 from misat_bench.report import BenchResult, markdown_table, plot_cell, render_table, summarise
+from misat_bench.steady_state import measured_steady
 from misat_bench.suite import (
     DEFAULT_POLICY,
     MIXTURE_FAMILY,
@@ -203,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
 
         def report(rec: RunRecord, cached: bool) -> None:
             m, sp = rec.metrics, rec.spec
-            flag = "" if m.converged in (True, None) and m.warmup_ok in (True, None) else " NOT CONVERGED"
+            flag = "" if measured_steady(m.converged, m.warmup_ok) else " NOT CONVERGED"
             console.print(f"  {sp.cell(s).id:22s} s{sp.seed_of(s)} {sp.label:44s} {m.mixture_rate_per_min:7.1f} "
                           f"mix/min {m.sample_rate_per_min:7.1f}/min hit {100 * m.prefix_hit_rate:5.1f}% "
                           f"(ideal {100 * m.ideal_prefix_hit_rate:5.1f}%) TV {m.tv_points:5.2f} "

@@ -103,6 +103,12 @@ def counts_agree(early: float, late: float, s: SteadyStateSettings) -> bool:
     return abs(late - early) <= allowed
 
 
+def measured_steady(converged: bool | None, warmup_ok: bool | None) -> bool:
+    """Whether a run's measured window is steady state, from its record's two flags: neither
+    check failed (None: a run measured whole, where neither applies)."""
+    return converged is not False and warmup_ok is not False
+
+
 def converged(windows: Sequence[Mapping[str, int]], classes: Sequence[str], s: SteadyStateSettings) -> bool:
     """Whether the last ``convergence_windows`` of ``windows`` (per-class completions) agree.
 

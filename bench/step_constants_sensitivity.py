@@ -43,6 +43,7 @@ from typing import NamedTuple
 
 from misat_bench.cluster_runs import RunCache, RunRecord, run_all
 from misat_bench.stats import mean_interval
+from misat_bench.steady_state import measured_steady
 from misat_bench.suite import (
     DEFAULT_POLICY,
     PAPER_MIXTURE,
@@ -151,7 +152,7 @@ def plan(s: BenchSettings) -> list[RunSpec]:
 
 def steady(r: RunRecord) -> bool:
     """The run's window is steady state: its warm-up rule was met and its classes converged."""
-    return r.metrics.converged is not False and r.metrics.warmup_ok is not False
+    return measured_steady(r.metrics.converged, r.metrics.warmup_ok)
 
 
 def _flag(r: RunRecord) -> str:

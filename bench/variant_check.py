@@ -40,12 +40,13 @@ oracle (each seed at its own v2 best) is reported beside it.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from misat_bench.cluster_runs import RunCache, RunMetrics, RunRecord, run_all
 from misat_bench.goals import EVERY_CELL_VS_ORACLE, MEAN_VS_ORACLE, paired_mean, rounds_onto
 from misat_bench.stats import Interval, Verdict, paired_ratio, verdict
+from misat_bench.steady_state import measured_steady
 from misat_bench.suite import (
     CHANGING_WORKLOADS,
     POLICY_VARIANTS,
@@ -361,7 +362,20 @@ def report(s: BenchSettings, cells: list[Cell], policies: list[str], records: di
     if cell_oracle is not None:
         out += _baselines_against_oracle(s, cells, cell_oracle, limits, rates)
     out += _paired_with_default(s, cells, policies, rates)
+    out += ["", _steadiness_line(s, records)]
     return "\n".join(out)
+
+
+def _steadiness_line(s: BenchSettings, records: Mapping[str, RunRecord]) -> str:
+    """Whether every run measured steady state; else each one that did not, by name. Their figures
+    stay in the tables as measured: a reader weighs them, nothing drops them silently."""
+    unsteady = sorted((r.spec.cell(s).id, r.spec.seed_of(s), r.spec.label) for r in records.values()
+                      if not measured_steady(r.metrics.converged, r.metrics.warmup_ok))
+    if not unsteady:
+        return f"Every run's window was steady state ({len(records)} runs)."
+    named = "; ".join(f"{cell} seed {seed} {label}" for cell, seed, label in unsteady)
+    return (f"NOT CONVERGED: {len(unsteady)} of {len(records)} runs reached the cap before their warm-up rule "
+            f"was met or their classes converged (their figures are in the tables as measured): {named}.")
 
 
 def _baselines_against_oracle(s: BenchSettings, cells: list[Cell], cell_oracle: dict[str, int], limits: bool,
@@ -543,7 +557,9 @@ def main() -> None:
 
     def done(rec: RunRecord, cached: bool) -> None:
         print(f"{'cached' if cached else 'ran   '} {rec.spec.cell(s).id} seed {rec.spec.seed_of(s)} {rec.spec.label}: "
-              f"{rec.metrics.mixture_rate_per_min:.1f}/min ({rec.cpu_s:.0f} CPU-s)", flush=True)
+              f"{rec.metrics.mixture_rate_per_min:.1f}/min ({rec.cpu_s:.0f} CPU-s)"
+              f"{'' if measured_steady(rec.metrics.converged, rec.metrics.warmup_ok) else ' NOT CONVERGED'}",
+              flush=True)
 
     cache = RunCache(args.out / "cache")
     if args.held_out:

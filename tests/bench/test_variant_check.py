@@ -300,3 +300,17 @@ def test_the_means_over_cells_carry_an_interval_paired_by_seed() -> None:
     # Every seed's mean over the two cells is 1.1: the cells' spreads cancel, so the interval is a point.
     assert "Mean over 2 cells 1.100x (1.100-1.100 over 3 seeds)" in line
     assert "x tuned-once over the changing cells 2.200x (2.200-2.200 over 3 seeds)" in line
+
+
+def test_the_report_names_every_run_that_did_not_reach_steady_state() -> None:
+    """A run stopped by the cap before its warm-up rule was met measured a transient: its figure stays
+    in the tables, and the report says which run it is; a report whose runs all converged says so."""
+    held, cells, records = _held_out_kv_half(1.1)
+    text = report(held, cells, ["session-admission"], records, cell_oracle=CELL_ORACLE_CEILINGS, held_out=True)
+    assert text.endswith(f"Every run's window was steady state ({len(records)} runs).")
+    key, rec = next((k, r) for k, r in records.items() if r.spec.seed_of(held) == 4 and r.spec.variant)
+    records[key] = rec.model_copy(update={"metrics": rec.metrics.model_copy(update={"warmup_ok": False})})
+    text = report(held, cells, ["session-admission"], records, cell_oracle=CELL_ORACLE_CEILINGS, held_out=True)
+    last = text.splitlines()[-1]
+    assert last.startswith(f"NOT CONVERGED: 1 of {len(records)} runs")
+    assert last.endswith(f"kv-half@paper:4 seed 4 {rec.spec.label}.")
