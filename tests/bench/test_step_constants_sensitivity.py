@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from misat_bench.cluster_runs import RunMetrics, RunRecord
 from misat_bench.step_constants_sensitivity import (
     CEILING_STEP,
     REFERENCE_KV_TOKENS_AT_1_16,
@@ -14,9 +13,10 @@ from misat_bench.step_constants_sensitivity import (
     summarise,
     variant_settings,
 )
-from misat_bench.suite import Baseline, BenchSettings, RunSpec
+from misat_bench.suite import Baseline, BenchSettings
 from misat_sim.config import SimEngineConfig
 from misat_sim.profiles import PROFILES, QWEN30B_A3B_H100
+from tests.support.run_records import run_record
 
 
 def _tokens(variant: str) -> int:
@@ -54,24 +54,15 @@ def test_prefill_variants_change_the_prefill_price_alone(variant: str, times: in
     assert variant_settings(variant).ceilings(4) == BenchSettings().ceilings(4)
 
 
-def _record(spec: RunSpec, s: BenchSettings, rate: float, converged: bool) -> RunRecord:
-    metrics = RunMetrics(
-        mixture_rate_per_min=rate, sample_rate_per_min=rate, requests_per_min=rate, prefill_tokens_per_s=1.0,
-        decode_tokens_per_s=1.0, prefix_hit_rate=0.8, ideal_prefix_hit_rate=0.9, tv_points=0.5,
-        tv_noise_points=1.0, preemptions=0, mean_kv_usage=0.5, units_completed={"rlvr": 1}, measured_s=360.0,
-        window_start_s=600.0, converged=converged, warmup_ok=converged, window_s=60.0, class_series=[])
-    return RunRecord(key=spec.key(s), spec=spec, metrics=metrics, cpu_s=1.0, wall_s=1.0)
-
-
 def test_the_summary_names_every_run_whose_window_never_reached_steady_state() -> None:
     """A run stopped by the cap before its warm-up rule was met measured a transient: the
     summary says so beside its figure and in its head line, and says nothing when all converged."""
     s = variant_settings("profile").model_copy(update={"seeds": (0,)})
     runs = plan(s)
-    steady = [_record(r, s, 100.0 + (r.ceiling or 0) / 100, True) for r in runs]
+    steady = [run_record(r, s, 100.0 + (r.ceiling or 0) / 100) for r in runs]
     assert "NOT CONVERGED" not in summarise("profile", s, steady)
     # The default's run alone stopped at the cap.
-    unsteady = [_record(r, s, 90.0, False) if r.baseline is Baseline.POLICY else rec
+    unsteady = [run_record(r, s, 90.0, steady=False) if r.baseline is Baseline.POLICY else rec
                 for r, rec in zip(runs, steady, strict=True)]
     text = summarise("profile", s, unsteady)
     head, seed_line = text.splitlines()

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from misat_bench.cluster_runs import RunMetrics, RunRecord
+from misat_bench.cluster_runs import RunRecord
 from misat_bench.suite import CEILING_ROUNDING, Baseline, BenchSettings, Cell, RunSpec, sweep_run
 from misat_bench.variant_check import (
     CELL_ORACLE_CEILINGS,
@@ -24,6 +24,7 @@ from misat_bench.variant_check import (
     select_cells,
     variant_runs,
 )
+from tests.support.run_records import run_record
 
 
 def test_every_cell_of_the_four_engine_matrix_has_an_oracle_ceiling_per_seed() -> None:
@@ -160,15 +161,6 @@ def test_held_out_runs_are_the_cell_oracle_and_tuned_once_on_the_new_seeds_with_
     assert {r.ceiling for r in once} == {V2_TUNED_ONCE_CEILING}
 
 
-def _record(spec: RunSpec, s: BenchSettings, rate: float) -> RunRecord:
-    metrics = RunMetrics(
-        mixture_rate_per_min=rate, sample_rate_per_min=rate, requests_per_min=rate, prefill_tokens_per_s=1.0,
-        decode_tokens_per_s=1.0, prefix_hit_rate=0.8, ideal_prefix_hit_rate=0.9, tv_points=0.5,
-        tv_noise_points=1.0, preemptions=0, mean_kv_usage=0.5, units_completed={"rlvr": 1}, measured_s=360.0,
-        window_start_s=600.0, converged=True, warmup_ok=True, window_s=60.0, class_series=[])
-    return RunRecord(key=spec.key(s), spec=spec, metrics=metrics, cpu_s=1.0, wall_s=1.0)
-
-
 _HELD_OUT_ORACLE = {3: 100.0, 4: 120.0, 5: 80.0}
 """The cell oracle's rate per held-out seed in the report tests (uneven, so a ratio is per seed)."""
 
@@ -185,9 +177,9 @@ def _held_out_kv_half(
     records: dict[str, RunRecord] = {}
     for spec in [*held_out_runs(held, cells), *(limit_runs(held, cells) if limits else [])]:
         rate = _HELD_OUT_ORACLE[spec.seed_of(held)] * factor.get(spec.baseline, 0.5)  # tuned-once: 0.5
-        records[spec.key(held)] = _record(spec, held, rate)
+        records[spec.key(held)] = run_record(spec, held, rate)
     for spec in variant_runs(held, cells, ["session-admission"]):
-        records[spec.key(held)] = _record(spec, held, policy_factor * _HELD_OUT_ORACLE[spec.seed_of(held)])
+        records[spec.key(held)] = run_record(spec, held, policy_factor * _HELD_OUT_ORACLE[spec.seed_of(held)])
     return held, cells, records
 
 
@@ -210,10 +202,10 @@ def test_the_report_pairs_each_variant_with_the_default_per_cell() -> None:
     factor = {("kv-half@paper:4", "occupancy-budget-0.95"): 0.9, ("steady@paper:4", "occupancy-budget-0.95"): 1.05}
     records: dict[str, RunRecord] = {}
     for spec in held_out_runs(held, cells):
-        records[spec.key(held)] = _record(spec, held, base_rate[spec.seed_of(held)])
+        records[spec.key(held)] = run_record(spec, held, base_rate[spec.seed_of(held)])
     for spec in variant_runs(held, cells, ["session-admission", "occupancy-budget-0.95"]):
         f = factor.get((spec.cell(held).id, spec.variant), 1.0)
-        records[spec.key(held)] = _record(spec, held, f * base_rate[spec.seed_of(held)])
+        records[spec.key(held)] = run_record(spec, held, f * base_rate[spec.seed_of(held)])
     text = report(held, cells, ["session-admission", "occupancy-budget-0.95"], records,
                   cell_oracle=CELL_ORACLE_CEILINGS, held_out=True)
     paired = text.split("### Paired with session-admission", 1)[1]
@@ -231,12 +223,12 @@ def test_the_in_sample_report_has_the_cell_oracle_and_v2s_per_seed_oracle_beside
     records: dict[str, RunRecord] = {}
     for spec in baseline_runs(s, cells):  # v2's per-seed points and tuned-once
         rate = 125.0 if spec.baseline is Baseline.SWEEP else 50.0
-        records[spec.key(s)] = _record(spec, s, rate)
+        records[spec.key(s)] = run_record(spec, s, rate)
     for seed in s.seeds:  # the cell's oracle ceiling, 112 (seed 2's own v2 point too: the same run)
         spec = sweep_run(cell, seed, CELL_ORACLE_CEILINGS[cell.id])
-        records[spec.key(s)] = _record(spec, s, 100.0)
+        records[spec.key(s)] = run_record(spec, s, 100.0)
     for spec in variant_runs(s, cells, ["session-admission"]):
-        records[spec.key(s)] = _record(spec, s, 110.0)
+        records[spec.key(s)] = run_record(spec, s, 110.0)
     text = report(s, cells, ["session-admission"], records, cell_oracle=CELL_ORACLE_CEILINGS)
     row = next(line for line in text.splitlines() if line.startswith("| kv-half@paper:4"))
     assert "x oracle per seed" in text and "1.10x" in row and "2.20x" in row
@@ -292,9 +284,9 @@ def test_the_means_over_cells_carry_an_interval_paired_by_seed() -> None:
               ("kv-double@paper:4", 3): 1.2, ("kv-double@paper:4", 4): 1.1, ("kv-double@paper:4", 5): 1.0}
     records: dict[str, RunRecord] = {}
     for spec in held_out_runs(held, cells):
-        records[spec.key(held)] = _record(spec, held, 100.0 if spec.baseline is Baseline.SWEEP else 50.0)
+        records[spec.key(held)] = run_record(spec, held, 100.0 if spec.baseline is Baseline.SWEEP else 50.0)
     for spec in variant_runs(held, cells, ["session-admission"]):
-        records[spec.key(held)] = _record(spec, held, 100.0 * factor[(spec.cell(held).id, spec.seed_of(held))])
+        records[spec.key(held)] = run_record(spec, held, 100.0 * factor[(spec.cell(held).id, spec.seed_of(held))])
     text = report(held, cells, ["session-admission"], records, cell_oracle=CELL_ORACLE_CEILINGS, held_out=True)
     line = next(line for line in text.splitlines() if line.startswith("Mean over"))
     # Every seed's mean over the two cells is 1.1: the cells' spreads cancel, so the interval is a point.
