@@ -274,10 +274,10 @@ def tune(s: DemoSettings, spec: RolloutPoolSpec, console: Console) -> Tuning:
     if not s.retune:
         for path in (CACHED_SWEEPS, local):
             hit = _read_sweeps(path).get(key)
-            if isinstance(hit, dict):
+            if hit is not None:
                 # The entry's key is the one it is filed under: entries carry none of their own
                 # (caches written before may, and a re-keyed file would leave those stale).
-                t = Tuning.model_validate({**hit, "key": key})
+                t = Tuning.model_validate({**hit, "key": key} if isinstance(hit, dict) else hit)
                 t.source = f"read from the cached sweep in {path} (key {key}; --retune runs it again)"
                 return t
     console.print(f"tuning: no cached sweep matches (key {key}); sweeping cache_aware ceilings "
